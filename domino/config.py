@@ -1,0 +1,142 @@
+"""The drafter's configuration: what it was built for (checked on load) and its own shape."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from domino.errors import DominoError
+
+if TYPE_CHECKING:
+    from domino.target import Target
+
+HEAD_KINDS = ("none", "domino", "markov", "rnn")
+MAX_BLOCK_SIZE = 64
+
+
+@dataclass
+class DrafterConfig:
+    # The target this drafter reads: a checkpoint is refused by a target that differs in any of these.
+    target_hidden_size: int
+    target_vocab_size: int
+    target_num_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    # The drafter itself.
+    block_size: int = 16
+    head: str = "domino"
+    confidence_head: bool = False
+    num_layers: int = 1
+    rank: int = 256  # low rank of the head's logit residual
+    gru_hidden: int = 256  # state size of the Domino GRU / DSpark RNN head
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    intermediate_size: int = 1024
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    target_name: str = field(default="", compare=False)  # for messages only
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise DominoError(
+                f"block_size must be between 2 and {MAX_BLOCK_SIZE} (16 is the usual choice), got {self.block_size}"
+            )
+        if self.head not in HEAD_KINDS:
+            raise DominoError(f"unknown head kind '{self.head}': choose one of {', '.join(HEAD_KINDS)}")
+        if self.num_layers < 1:
+            raise DominoError(f"num_layers (draft layers) must be at least 1, got {self.num_layers}")
+        if not self.target_layer_ids:
+            raise DominoError("target_layer_ids is empty: the drafter needs at least one target layer")
+        for layer_id in self.target_layer_ids:
+            if not 0 <= layer_id < self.target_num_layers:
+                raise DominoError(
+                    f"target layer id {layer_id} is out of range: the target has {self.target_num_layers} layers "
+                    f"(valid ids 0..{self.target_num_layers - 1})"
+                )
+        if not 0 <= self.mask_token_id < self.target_vocab_size:
+            raise DominoError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.target_vocab_size - 1})")
+        for name in ("rank", "gru_hidden", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise DominoError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DominoError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target_hidden_size
+
+    @classmethod
+    def for_target(cls, target: "Target", num_layers: int = 1, layer_ids: list[int] | None = None,
+                   **overrides) -> "DrafterConfig":
+        """A drafter shaped like the target's own layers, reading DFlash's choice of target layers."""
+        from domino.target import select_layer_ids
+
+        tc = target.config
+        heads = tc.num_attention_heads
+        rope = getattr(tc, "rope_parameters", None) or {}
+        defaults = dict(
+            target_hidden_size=tc.hidden_size,
+            target_vocab_size=target.vocab_size,
+            target_num_layers=tc.num_hidden_layers,
+            target_layer_ids=layer_ids if layer_ids is not None else select_layer_ids(tc.num_hidden_layers, num_layers),
+            mask_token_id=default_mask_token_id(target),
+            num_layers=num_layers,
+            gru_hidden=max(64, tc.hidden_size // 4),
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            intermediate_size=getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)),
+            target_name=target.name,
+        )
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise DominoError(f"unknown drafter option(s): {', '.join(sorted(unknown))}")
+        return cls(**{**defaults, **overrides})
+
+    def check_target(self, target: "Target") -> None:
+        """Refuse a target this drafter was not trained for, saying which fact differs."""
+        facts = [
+            ("hidden size", self.target_hidden_size, target.hidden_size),
+            ("vocabulary size", self.target_vocab_size, target.vocab_size),
+            ("number of layers", self.target_num_layers, target.num_layers),
+        ]
+        for what, mine, theirs in facts:
+            if mine != theirs:
+                raise DominoError(
+                    f"this drafter was trained for a target with {what} {mine} ('{self.target_name}'), but "
+                    f"'{target.name}' has {theirs}: load the target it was trained for, or train a drafter for this one"
+                )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "DrafterConfig":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise DominoError(f"cannot read drafter config {path}: {error}") from None
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise DominoError(f"{path} has unknown keys {sorted(unknown)}: it was not written by this version of domino")
+        try:
+            return cls(**data)
+        except TypeError as error:
+            raise DominoError(f"{path} is not a complete drafter config: {error}") from None
+
+
+def default_mask_token_id(target: "Target") -> int:
+    """DFlash embeds MASK with the target's frozen table; any id the drafter reserves works. We take the
+    tokenizer's unknown/pad token, which is never a label in chat data, else the last id."""
+    tokenizer = target.tokenizer
+    candidates = () if tokenizer is None else (tokenizer.unk_token_id, tokenizer.pad_token_id)
+    for candidate in candidates:
+        if candidate is not None and candidate < target.vocab_size:
+            return int(candidate)
+    return target.vocab_size - 1

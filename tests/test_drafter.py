@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from domino.config import DrafterConfig
+from domino.drafter import ContextCache, Drafter
+from domino.errors import DominoError
+from domino.sampling import GREEDY, SamplingParams
+from helpers import tiny_drafter, tiny_target
+
+HEADS = ["none", "domino", "markov", "rnn"]
+
+
+def draft_once(drafter, target, ids, params=GREEDY, seed=0):
+    features = target.forward(ids[:, :-1], layer_ids=drafter.config.target_layer_ids).features
+    cache = ContextCache()
+    drafter.extend_context(cache, features, torch.arange(ids.shape[1] - 1)[None])
+    return drafter.draft(cache, ids[:, -1], params, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(block_size=1), "block_size must be between 2 and 64"),
+    (dict(block_size=100), "block_size must be between 2 and 64"),
+    (dict(head="gru"), "unknown head kind 'gru': choose one of none, domino, markov, rnn"),
+    (dict(layer_ids=[1, 40]), "layer id 40 is out of range"),
+])
+def test_bad_config_gets_one_line_error(bad, message):
+    target = tiny_target()
+    with pytest.raises(DominoError, match=message) as error:
+        DrafterConfig.for_target(target, **bad)
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(DominoError, match="unknown drafter option.*blok_size"):
+        DrafterConfig.for_target(tiny_target(), blok_size=8)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_save_load_gives_identical_drafts(tmp_path, head):
+    target = tiny_target()
+    drafter = tiny_drafter(target, head=head, confidence_head=True)
+    ids = torch.randint(0, 96, (1, 20))
+    before = draft_once(drafter, target, ids, SamplingParams(temperature=1.0))
+    drafter.save_pretrained(tmp_path)
+    loaded = Drafter.from_pretrained(tmp_path, target)
+    after = draft_once(loaded, target, ids, SamplingParams(temperature=1.0))
+    assert torch.equal(before.tokens, after.tokens)
+    assert torch.equal(before.probs, after.probs)
+    assert torch.equal(before.confidence, after.confidence)
+    # the target's shared embedding and LM head are not part of the checkpoint
+    assert not any("embed" in k and k.startswith("target") for k in loaded.state_dict())
+    assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in drafter.parameters())
+    assert all(p.data_ptr() != target.embed_tokens.weight.data_ptr() for p in loaded.parameters())
+
+
+@pytest.mark.parametrize("other, fact", [
+    (dict(hidden_size=32), "hidden size 64"),
+    (dict(vocab_size=80), "vocabulary size 96"),
+    (dict(num_layers=8), "number of layers 6"),
+])
+def test_checkpoint_for_another_target_is_refused(tmp_path, other, fact):
+    drafter = tiny_drafter(tiny_target())
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(DominoError, match=f"trained for a target with {fact}.*train a drafter for this one"):
+        Drafter.from_pretrained(tmp_path, tiny_target(**other))
+
+
+def test_missing_checkpoint_names_the_fix(tmp_path):
+    with pytest.raises(DominoError, match="no drafter checkpoint.*folder written by training"):
+        Drafter.from_pretrained(tmp_path / "missing", tiny_target())
+
+
+def test_greedy_draft_is_deterministic_and_sampling_is_seeded():
+    target = tiny_target()
+    drafter = tiny_drafter(target, head="domino")
+    ids = torch.randint(0, 96, (1, 16))
+    assert torch.equal(draft_once(drafter, target, ids).tokens, draft_once(drafter, target, ids).tokens)
+    hot = SamplingParams(temperature=1.5)
+    a, b = draft_once(drafter, target, ids, hot, seed=1), draft_once(drafter, target, ids, hot, seed=1)
+    assert torch.equal(a.tokens, b.tokens)
+    # each proposal is a draw from the distribution returned for it: it has positive mass there
+    assert (a.probs.gather(-1, a.tokens[..., None]) > 0).all()
+    # greedy proposals are the argmax of the (temperature-free) distribution
+    greedy = draft_once(drafter, target, ids)
+    assert greedy.probs is None and greedy.tokens.shape == (1, drafter.config.block_size)
+
+
+def test_head_changes_later_positions_only_through_the_drafted_prefix():
+    """With the Domino head, position k's distribution depends on the token drafted at k-1: sampling two
+    different first tokens gives different second-position distributions, the first position unchanged."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, head="domino")
+    ids = torch.randint(0, 96, (1, 16))
+    hot = SamplingParams(temperature=3.0)
+    runs = [draft_once(drafter, target, ids, hot, seed=s) for s in range(20)]
+    firsts = {int(r.tokens[0, 0]) for r in runs}
+    assert len(firsts) > 1
+    assert all(torch.allclose(r.probs[0, 0], runs[0].probs[0, 0]) for r in runs)
+    differing = [r for r in runs if r.tokens[0, 0] != runs[0].tokens[0, 0]]
+    assert not torch.allclose(differing[0].probs[0, 1], runs[0].probs[0, 1])

@@ -1,0 +1,82 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import BertConfig, T5Config
+
+from domino.errors import DominoError
+from domino.target import Target, check_layer_ids, resolve_target, select_layer_ids
+from helpers import tiny_target
+
+
+def test_layer_selection_follows_dflash_rule():
+    assert select_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert select_layer_ids(36, 1) == [18]
+    assert select_layer_ids(30, 3) == [1, 14, 27]
+    with pytest.raises(DominoError, match="at least 1"):
+        select_layer_ids(36, 0)
+
+
+def test_layer_id_out_of_range_names_the_valid_range():
+    with pytest.raises(DominoError, match=r"layer id 30 is out of range.*valid ids 0..29"):
+        check_layer_ids([1, 30], 30)
+    target = tiny_target()
+    with pytest.raises(DominoError, match="out of range"):
+        target.forward(torch.tensor([[1, 2]]), layer_ids=[6])
+
+
+def test_missing_and_malformed_paths_are_clear(tmp_path):
+    with pytest.raises(DominoError, match="not found.*smollm2-135m"):
+        resolve_target(str(tmp_path / "nope"))
+    with pytest.raises(DominoError, match="no config.json"):
+        resolve_target(str(tmp_path))
+
+
+@pytest.mark.parametrize("config", [T5Config(num_layers=1, d_model=8, d_ff=8, num_heads=1, d_kv=8),
+                                    BertConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=8,
+                                               num_attention_heads=1)])
+def test_non_decoder_models_are_refused(tmp_path, config):
+    config.save_pretrained(tmp_path)
+    with pytest.raises(DominoError, match="not a decoder-only model"):
+        Target.load(str(tmp_path))
+
+
+def test_features_are_the_chosen_layer_outputs_and_cache_is_consistent():
+    target = tiny_target()
+    ids = torch.randint(0, 96, (1, 12))
+    full = target.forward(ids, layer_ids=[1, 3], final_hidden=True)
+    reference = target.model(ids, output_hidden_states=True)
+    assert torch.equal(full.features, torch.cat([reference.hidden_states[2], reference.hidden_states[4]], -1))
+    assert torch.allclose(target.lm_head(full.final_hidden), full.logits, atol=1e-5)
+    # prefill + incremental steps give the same logits and features as one full pass
+    cache = target.new_cache()
+    first = target.forward(ids[:, :7], cache, layer_ids=[1, 3])
+    rest = target.forward(ids[:, 7:], cache, layer_ids=[1, 3])
+    assert torch.allclose(torch.cat([first.logits, rest.logits], 1), full.logits, atol=1e-5)
+    assert torch.allclose(torch.cat([first.features, rest.features], 1), full.features, atol=1e-5)
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path):
+    """Kill a conversion mid-way: the cache folder must not exist, so the next run converts afresh."""
+    env = {**os.environ, "DOMINO_CACHE": str(tmp_path)}
+    code = "from domino.target import convert_embedded; convert_embedded('smollm2-135m')"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.startswith(".smollm2") for p in tmp_path.iterdir()):
+        time.sleep(0.2)
+    time.sleep(2)  # well inside the GGUF read
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "smollm2-135m").exists()
+
+
+def test_embedded_target_loads_and_chats(embedded_target):
+    target = embedded_target
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
+    ids = target.encode_prompt("What is 2+2?")
+    assert ids[:2] == target.tokenizer("<|im_start|>system")["input_ids"][:2]
+    assert target.stop_token_ids == [target.tokenizer.convert_tokens_to_ids("<|im_end|>")]
