@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from domino.decoding import GenerationConfig, OracleProposer, SpeculativeDecoder
+from domino.decoding import GenerationConfig, SpeculativeDecoder
+from domino.engine import DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import SamplingParams
 from helpers import tiny_drafter, tiny_target
@@ -32,21 +33,23 @@ def random_prompts(count, seed):
         yield torch.randint(0, 96, (length,), generator=generator).tolist()
 
 
-class NoisyOracle(OracleProposer):
+class NoisyOracle(DecodingEngine):
     """Proposes the target's greedy continuation with every token corrupted with probability 0.3,
     so that rounds accept every possible number of drafts."""
 
-    def propose(self, anchor, params, generator):
-        draft = super().propose(anchor, params, generator)
-        corrupt = torch.rand(draft.tokens.shape, generator=generator) < 0.3
-        draft.tokens = torch.where(corrupt, (draft.tokens + 1) % self.vocab_size, draft.tokens)
+    def _propose(self, states, anchors, positions, sampling):
+        draft = super()._propose(states, anchors, positions, sampling)
+        corrupt = torch.rand(draft.tokens.shape, generator=states[0].generator) < 0.3
+        draft.tokens = torch.where(corrupt, (draft.tokens + 1) % self.target.vocab_size, draft.tokens)
         return draft
 
 
-class NoisyDecoder(SpeculativeDecoder):
-    def new_proposer(self, prompt_ids, max_new_tokens):
-        oracle = super().new_proposer(prompt_ids, max_new_tokens)
-        return NoisyOracle(oracle.reference, oracle.block_size, oracle.vocab_size)
+def run_alone(engine, prompt, config):
+    """Decode one request on `engine` to the end."""
+    state = engine.add("only", prompt, config)
+    while engine.has_work:
+        engine.step()
+    return state.result
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -62,10 +65,10 @@ def test_greedy_output_equals_target_with_random_drafters(target, head):
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_greedy_output_equals_target_at_every_acceptance_length(target, block_size):
-    decoder = NoisyDecoder(target, "oracle", block_size=block_size)
     lengths = set()
     for i, prompt in enumerate(random_prompts(8, seed=block_size)):
-        result = decoder.generate(prompt, GenerationConfig(max_new_tokens=30 + i, stop_token_ids=[], seed=i))
+        engine = NoisyOracle(target, "oracle", block_size=block_size)
+        result = run_alone(engine, prompt, GenerationConfig(max_new_tokens=30 + i, stop_token_ids=[], seed=i))
         assert result.tokens == hf_greedy(target, prompt, 30 + i)
         lengths.update(result.stats.accept_lengths)
     assert lengths >= set(range(1, min(block_size + 1, 8) + 1))
@@ -135,11 +138,3 @@ def test_bad_prompts_are_refused(target):
 def test_drafter_for_another_target_is_refused(target):
     with pytest.raises(DominoError, match="trained for a target with hidden size"):
         SpeculativeDecoder(target, tiny_drafter(tiny_target(hidden_size=32)))
-
-
-def test_stopping_iteration_stops_the_work(target):
-    """A consumer that stops after the first chunk (a disconnected client) runs no further rounds."""
-    generation = SpeculativeDecoder(target, None).start([1, 2, 3], GenerationConfig(max_new_tokens=50))
-    for _ in generation:
-        break
-    assert generation.stats.rounds == 0 and len(generation.tokens) == 1
