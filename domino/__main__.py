@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
     generate.add_argument("--block-size", type=int, default=16, help="draft length for --drafter oracle")
+    generate.add_argument("--verify", choices=["full", "threshold"], default="full",
+                          help="verify every draft (default), or stop where the confidence head's estimate that "
+                               "the prefix survives falls below --threshold (drafters with a confidence head)")
+    generate.add_argument("--threshold", type=float, default=0.3)
     return parser
 
 
@@ -38,6 +42,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from domino.decoding import GenerationConfig, SpeculativeDecoder
     from domino.drafter import Drafter
     from domino.sampling import SamplingParams
+    from domino.scheduler import make_policy
     from domino.target import Target
 
     if not args.prompt.strip():
@@ -50,7 +55,8 @@ def run_generate(args: argparse.Namespace) -> None:
         drafter = None
     elif drafter != "oracle":
         drafter = Drafter.from_pretrained(drafter, target)
-    decoder = SpeculativeDecoder(target, drafter, block_size=args.block_size)
+    policy = make_policy(args.verify, target, threshold=args.threshold)
+    decoder = SpeculativeDecoder(target, drafter, block_size=args.block_size, policy=policy)
     prompt_ids = target.encode_prompt(args.prompt, chat=False if args.no_chat else None)
     result = decoder.generate(prompt_ids, config, on_tokens=lambda tokens, text: print(text, end="", flush=True))
     s = result.stats
