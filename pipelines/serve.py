@@ -22,22 +22,21 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException
 
 from domino.batching import InterleavedEngine
 from domino.config import MAX_BLOCK_SIZE
-from domino.decoding import GenerationResult, SpeculativeDecoder
+from domino.decoding import SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.metrics import ReplicaMetrics
-from pipelines.serving.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                        ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
-                                        CompletionRequest, CompletionResponse, Delta, ErrorDetail, ErrorResponse,
-                                        GenerationRequest, ModelCard, ModelList, Usage)
+from pipelines.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorDetail, ErrorResponse,
+                                        GenerationRequest, ModelCard, ModelList, ResponseIds, chunk,
+                                        complete_response, sse)
 from pipelines.serving.runner import EngineRunner, RequestStream
 
 logger = logging.getLogger("ray.serve")
@@ -62,7 +61,7 @@ class ServeArgs(BaseModel):
         return self.model_name or self.target
 
 
-# -- errors: every failure leaves as an OpenAI-style error body, never a stack trace -------------
+# -- errors: every failure leaves as an OpenAI-style error body, never a stack trace ---------------
 
 
 class ApiError(Exception):
@@ -115,48 +114,7 @@ async def on_server_error(request: Request, error: Exception) -> JSONResponse:
                                            type="server_error"))
 
 
-# -- responses -------------------------------------------------------------------------------------
-
-
-def usage(result: GenerationResult) -> Usage:
-    prompt, completion = result.stats.prompt_tokens, len(result.tokens)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-class ResponseIds(BaseModel):
-    """What every object of one response repeats."""
-
-    id: str
-    created: int
-    model: str
-
-
-def complete_response(chat: bool, ids: ResponseIds, result: GenerationResult
-                      ) -> CompletionResponse | ChatCompletionResponse:
-    final = dict(**ids.model_dump(), usage=usage(result), domino=result.stats.as_dict())
-    if chat:
-        message = AssistantMessage(content=result.text or "")
-        return ChatCompletionResponse(**final, choices=[ChatChoice(message=message, finish_reason=result.finish_reason)])
-    return CompletionResponse(**final, choices=[CompletionChoice(text=result.text or "",
-                                                                 finish_reason=result.finish_reason)])
-
-
-def chunk(chat: bool, ids: ResponseIds, text: str | None, result: GenerationResult | None = None,
-          role: bool = False) -> CompletionResponse | ChatCompletionChunk:
-    """One streamed object: new text, or (with `result`) the last one, carrying the finish reason,
-    usage and statistics."""
-    final = dict(usage=usage(result), domino=result.stats.as_dict()) if result is not None else {}
-    finish = result.finish_reason if result is not None else None
-    if chat:
-        delta = Delta(role="assistant" if role else None, content=text)
-        return ChatCompletionChunk(**ids.model_dump(), **final,
-                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
-    return CompletionResponse(**ids.model_dump(), **final, choices=[CompletionChoice(text=text or "",
-                                                                                     finish_reason=finish)])
-
-
-def sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+# -- streaming -------------------------------------------------------------------------------------
 
 
 async def event_stream(chat: bool, ids: ResponseIds, stream: RequestStream) -> AsyncIterator[str]:
@@ -182,11 +140,14 @@ async def event_stream(chat: bool, ids: ResponseIds, stream: RequestStream) -> A
 
 
 def load_decoder(args: ServeArgs) -> SpeculativeDecoder:
+    """Target and drafter, loaded once per replica."""
     device = "cuda" if args.num_gpus > 0 else "cpu"
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     target = Target.load(args.target, device=device, dtype=dtype)
-    if args.drafter in ("none", "oracle"):
-        return SpeculativeDecoder(target, None if args.drafter == "none" else "oracle", block_size=args.block_size or 16)
+    if args.drafter == "none":
+        return SpeculativeDecoder(target, None)
+    if args.drafter == "oracle":
+        return SpeculativeDecoder(target, "oracle", block_size=args.block_size or 16)
     drafter = Drafter.from_pretrained(args.drafter, target).to(target.model.dtype)
     if args.block_size not in (None, drafter.config.block_size):
         raise DominoError(f"the drafter at {args.drafter} drafts blocks of {drafter.config.block_size} tokens, "
@@ -263,7 +224,12 @@ def application(args: ServeArgs, **deployment_options) -> Application:
 
 def build_app(args: dict[str, str]) -> Application:
     """Serve's application builder: `serve run pipelines.serve:build_app target=... drafter=...`."""
-    return application(ServeArgs.model_validate(args))
+    try:
+        return application(ServeArgs.model_validate(args))
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise DominoError(f"bad application arguments ({problems}); the arguments are "
+                          f"{', '.join(ServeArgs.model_fields)}") from None
 
 
 app = build_app({})

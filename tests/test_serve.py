@@ -115,7 +115,7 @@ def wait_for(condition, timeout: float, every: float = 0.25) -> bool:
     return False
 
 
-# -- correctness -------------------------------------------------------------------------------------
+# -- correctness -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("prompt, max_tokens", [("The quick brown fox", 24), ("Once upon a time", 37)])
@@ -177,7 +177,7 @@ def test_models_and_health(server):
     assert health["status"] == "ok" and health["model"] == "tiny"
 
 
-# -- bad input ---------------------------------------------------------------------------------------
+# -- bad input -------------------------------------------------------------------------------------
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -224,7 +224,7 @@ def test_unknown_routes_get_an_error_body(server):
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
 
 
-# -- concurrency -------------------------------------------------------------------------------------
+# -- concurrency -----------------------------------------------------------------------------------
 
 
 def test_concurrent_requests_progress_together(server):

@@ -12,14 +12,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from domino.decoding import GenerationConfig
+from domino.decoding import GenerationConfig, GenerationResult
 from domino.sampling import SamplingParams
 
 # Optional response fields are left out of the JSON when unset (OpenAI omits them too).
 OMIT_WHEN_NONE = dict(default=None, exclude_if=lambda value: value is None)
 
 
-# -- errors --------------------------------------------------------------------------------------
+# -- errors ----------------------------------------------------------------------------------------
 
 
 class ErrorDetail(BaseModel):
@@ -33,7 +33,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-# -- requests ------------------------------------------------------------------------------------
+# -- requests --------------------------------------------------------------------------------------
 
 
 class GenerationRequest(BaseModel):
@@ -92,7 +92,7 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
-# -- responses -----------------------------------------------------------------------------------
+# -- responses -------------------------------------------------------------------------------------
 
 
 class Usage(BaseModel):
@@ -165,3 +165,49 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- building responses from a generation ----------------------------------------------------------
+
+
+def usage(result: GenerationResult) -> Usage:
+    prompt, completion = result.stats.prompt_tokens, len(result.tokens)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class ResponseIds(BaseModel):
+    """What every object of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+def complete_response(chat: bool, ids: ResponseIds, result: GenerationResult
+                      ) -> CompletionResponse | ChatCompletionResponse:
+    """The whole reply of a request that is not streamed."""
+    final = dict(**ids.model_dump(), usage=usage(result), domino=result.stats.as_dict())
+    text, finish = result.text or "", result.finish_reason
+    if chat:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
+        return ChatCompletionResponse(**final, choices=[choice])
+    return CompletionResponse(**final, choices=[CompletionChoice(text=text, finish_reason=finish)])
+
+
+def chunk(chat: bool, ids: ResponseIds, text: str | None, result: GenerationResult | None = None,
+          role: bool = False) -> CompletionResponse | ChatCompletionChunk:
+    """One streamed object: new text, or (with `result`) the last one, carrying the finish reason,
+    usage and statistics."""
+    final = dict(usage=usage(result), domino=result.stats.as_dict()) if result is not None else {}
+    finish = result.finish_reason if result is not None else None
+    if chat:
+        delta = Delta(role="assistant" if role else None, content=text)
+        return ChatCompletionChunk(**ids.model_dump(), **final,
+                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+    return CompletionResponse(**ids.model_dump(), **final, choices=[CompletionChoice(text=text or "",
+                                                                                     finish_reason=finish)])
+
+
+def sse(payload: BaseModel) -> str:
+    """One server-sent event."""
+    return f"data: {payload.model_dump_json()}\n\n"
