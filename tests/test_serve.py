@@ -250,24 +250,37 @@ def test_concurrent_requests_progress_together(server):
     assert sum(a[0] < t < a[-1] for t in b) > len(b) // 2  # and b's chunks interleave with a's
 
 
-def test_a_disconnected_client_stops_its_generation(server):
+def in_flight(server: str) -> int:
+    return requests.get(f"{server}/health", timeout=30).json()["in_flight"]
+
+
+def test_a_disconnected_stream_stops_its_generation(server):
     """A stream that would take about a minute is closed after two chunks: the replica drops it."""
     body = dict(prompt="Tell me everything", max_tokens=CONTEXT - 16, temperature=0, stream=True)
     with requests.post(f"{server}{COMPLETIONS}", json=body, stream=True, timeout=120) as response:
         lines = response.iter_lines()
         received = [line for line in (next(lines) for _ in range(4)) if line]
-        assert len(received) == 2
-        assert requests.get(f"{server}/health", timeout=30).json()["in_flight"] == 1
-    assert wait_for(lambda: requests.get(f"{server}/health", timeout=30).json()["in_flight"] == 0, timeout=10)
+        assert len(received) == 2 and in_flight(server) == 1
+    assert wait_for(lambda: in_flight(server) == 0, timeout=10)
+
+
+def test_a_client_that_gives_up_waiting_stops_its_generation(server):
+    body = dict(prompt="Tell me everything", max_tokens=CONTEXT - 16, temperature=0)
+    with pytest.raises(requests.ReadTimeout):
+        requests.post(f"{server}{COMPLETIONS}", json=body, timeout=(10, 2))
+    assert wait_for(lambda: in_flight(server) == 0, timeout=10)
 
 
 def test_metrics_reach_prometheus(server, ray_cluster):
-    """Ray's metrics agent exports the replica's metrics; by now some requests ended and one was
-    cancelled (the test above)."""
-    post(server, COMPLETIONS, prompt="Hello", max_tokens=8, temperature=0)
+    """Ray's metrics agent exports the replica's metrics, after one finished and one cancelled request."""
+    finished = post(server, COMPLETIONS, prompt="Hello", max_tokens=8, temperature=0).json()
+    body = dict(prompt="Hello", max_tokens=500, temperature=0, stream=True)
+    with requests.post(f"{server}{COMPLETIONS}", json=body, stream=True, timeout=120) as response:
+        next(response.iter_lines())
     port = ray_cluster.nodes()[0]["MetricsExportPort"]
-    wanted = ["ray_domino_generated_tokens", "ray_domino_accept_length_bucket", "ray_domino_draft_seconds",
-              "ray_domino_verify_seconds", "ray_domino_queue_depth", 'finish_reason="cancelled"']
+    wanted = ["ray_domino_generated_tokens_total", "ray_domino_accept_length_bucket", "ray_domino_draft_seconds",
+              "ray_domino_verify_seconds", "ray_domino_queue_depth", 'finish_reason="cancelled"',
+              'finish_reason="length"']
     text = ""
 
     def exported() -> bool:
@@ -276,9 +289,9 @@ def test_metrics_reach_prometheus(server, ray_cluster):
         return all(name in text for name in wanted)
 
     assert wait_for(exported, timeout=30, every=1), [name for name in wanted if name not in text]
-    tokens = re.search(r'^ray_domino_generated_tokens_total\{[^}]*application="domino-test"[^}]*\} (\S+)$',
+    tokens = re.search(rf'^ray_domino_generated_tokens_total{{[^}}]*application="{APP}"[^}}]*}} (\S+)$',
                        text, re.MULTILINE)
-    assert tokens and float(tokens.group(1)) > 100
+    assert tokens and float(tokens.group(1)) >= finished["usage"]["completion_tokens"]
 
 
 # -- autoscaling (last: it starts a second replica) ------------------------------------------------
