@@ -170,10 +170,16 @@ def serve_configs():
 
 
 def test_serve_config_and_rayservice_validate_against_serve_schema():
+    from ray.serve.config import AutoscalingConfig
+
     schema, plain, embedded = serve_configs()
     for config in (plain, embedded):
         (app,) = schema.model_validate(config).applications
         assert app.import_path == "pipelines.serve:build_app"
+        for deployment in app.deployments:  # the schema keeps autoscaling_config as a plain dict
+            scaling = deployment.autoscaling_config or {}
+            assert set(scaling) <= set(AutoscalingConfig.model_fields), deployment.name  # Serve ignores typos
+            AutoscalingConfig(**scaling)
 
 
 def test_rayservice_serves_the_same_application_as_serve_yaml():
@@ -335,21 +341,52 @@ def entry_file(entry: str) -> str | None:
     return None
 
 
+# Runs entry points with `--help` one after the other in a single interpreter, as `python -m X` /
+# `python X.py` would (runpy, argv, __main__), so torch and Ray are imported once, not once per entry.
+HELP_RUNNER = r"""
+import contextlib, io, json, runpy, sys
+results = {}
+for entry, kind, target, args in json.loads(sys.argv[1]):
+    out, code = io.StringIO(), 0
+    sys.argv = [target, *args, "--help"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            if kind == "module":
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+        except BaseException as error:
+            code = 1
+            print(repr(error))
+    results[entry] = [code, out.getvalue()]
+print(json.dumps(results))
+"""
+
+
 @pytest.fixture(scope="module")
 def help_outputs():
-    """`--help` of every entry point that exists, all started at once (each imports torch: seconds)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    runs = {}
+    """entry point -> (exit code, output) of its `--help`, for every entry point that exists."""
+    import json
+
+    runs = []
     for entry in COMMANDS:
         path = entry_file(entry)
         if path is not None and not (ROOT / path).exists():
             continue
-        if path is None and importlib.util.find_spec(entry.split()[1]) is None:
-            continue
-        argv = [sys.executable, *(entry.split() if entry.startswith("-m ") else [str(ROOT / path), *entry.split()[1:]])]
-        runs[entry] = subprocess.Popen([*argv, "--help"], cwd=ROOT, env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return {entry: (run.wait(timeout=120), run.stdout.read()) for entry, run in runs.items()}
+        words = entry.split()
+        if words[0] == "-m":
+            if path is None and importlib.util.find_spec(words[1]) is None:
+                continue
+            runs.append([entry, "module", words[1], words[2:]])
+        else:
+            runs.append([entry, "script", str(ROOT / path), words[1:]])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", HELP_RUNNER, json.dumps(runs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {entry: tuple(result) for entry, result in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
 def test_docs_show_python_commands():
