@@ -175,8 +175,8 @@ class DecodingEngine:
 
         start = time.perf_counter()
         draft = None
-        lengths = caps
-        if int(caps.max()) > 0:
+        lengths = torch.zeros_like(caps)
+        if int(caps.max()) > 0 and self.policy.wants_draft():
             draft = self._propose(states, anchors, positions, sampling)
             lengths = self.policy.lengths(caps, draft.confidence)
         drafted = time.perf_counter()
@@ -198,6 +198,7 @@ class DecodingEngine:
             self.drafter.extend_context(self.caches.context, out.features, positions[:, None] + offsets)
         self.caches.settle(offsets < 1 + accepted[:, None])
         settled = time.perf_counter()
+        self.policy.observe(draft is not None, len(states), int(accepted.sum()) + len(states), settled - start)
 
         events, done = [], []
         for r, (request_id, state) in enumerate(zip(self.ids, states)):

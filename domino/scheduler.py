@@ -53,17 +53,30 @@ def profile_sps(target, max_tokens: int = 512, context: int = 128, repeats: int 
     return SPSProfile(sizes, seconds)
 
 
-class FullVerify:
-    """Verify every drafted token (up to each request's remaining budget)."""
+class VerifyPolicy:
+    """Decides, each round, whether to draft at all and how many drafts each request verifies."""
 
     needs_confidence = False
+
+    def wants_draft(self) -> bool:
+        return True
+
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
+        """What the round just run cost and returned."""
+
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FullVerify(VerifyPolicy):
+    """Verify every drafted token (up to each request's remaining budget)."""
 
     def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
         return caps
 
 
 @dataclass
-class ThresholdVerify:
+class ThresholdVerify(VerifyPolicy):
     """Verify while the estimated chance that the whole prefix survives stays above `threshold`."""
 
     threshold: float = 0.3
@@ -75,14 +88,56 @@ class ThresholdVerify:
 
 
 @dataclass
-class ConfidenceScheduler:
+class SpeculationGate:
+    """Drafting costs time before its worth is known: with many requests in a batch, a round of plain
+    decoding can commit more tokens per second than a round of draft + verify. After a drafted round
+    that committed fewer tokens per second than a plain round would have (the SPS profile's estimate,
+    corrected by what plain rounds really measured), the gate decodes plainly for 2, 4, 8 ... rounds
+    before trying drafts again. It looks only at finished rounds, so it never changes the output."""
+
+    sps: SPSProfile
+    max_backoff: int = 64
+    calibration: float = 1.0  # measured / profiled speed of plain rounds
+    losses: int = 0
+    skip: int = 0
+
+    def wants_draft(self) -> bool:
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
+        rate = committed / max(seconds, 1e-9)
+        plain_rate = rows * self.sps(rows)  # a plain round commits one token per row
+        if not drafted:
+            self.calibration = 0.5 * (self.calibration + rate / plain_rate)
+        elif rate < self.calibration * plain_rate:
+            self.losses += 1
+            self.skip = min(2 ** self.losses, self.max_backoff)
+        else:
+            self.losses = 0
+
+
+@dataclass
+class ConfidenceScheduler(VerifyPolicy):
     """DSpark's greedy admission. `padded`: the verify forward runs every row at the batch's longest
     length, so the cost is rows * (1 + max l); verifying up to that length is then free for every row,
-    and rows are topped up to it. With padded=False the cost is sum_r (1 + l_r), as in a ragged backend."""
+    and rows are topped up to it. With padded=False the cost is sum_r (1 + l_r), as in a ragged backend.
+    A SpeculationGate skips drafting while it does not pay."""
 
     sps: SPSProfile
     padded: bool = True
     needs_confidence = True
+
+    def __post_init__(self) -> None:
+        self.gate = SpeculationGate(self.sps)
+
+    def wants_draft(self) -> bool:
+        return self.gate.wants_draft()
+
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
+        self.gate.observe(drafted, rows, committed, seconds)
 
     def cost(self, lengths: torch.Tensor) -> int:
         if self.padded:

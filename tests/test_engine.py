@@ -166,3 +166,31 @@ def test_scheduled_verification_stays_exact(target, policy):
 def test_confidence_policy_needs_a_confidence_head(target):
     with pytest.raises(DominoError, match="confidence head"):
         DecodingEngine(target, tiny_drafter(target), policy=ThresholdVerify())
+
+
+def test_gate_stops_drafting_while_it_loses_and_retries_later():
+    from domino.scheduler import SpeculationGate
+
+    gate = SpeculationGate(LINEAR)  # a plain round of 4 rows: 4 tokens in 13 ms, ~308 tokens/s
+    gate.observe(drafted=True, rows=4, committed=8, seconds=0.010)  # 800 tokens/s: drafting wins
+    assert gate.wants_draft() and gate.losses == 0
+    gate.observe(drafted=True, rows=4, committed=5, seconds=0.050)  # 100 tokens/s: loses
+    assert [gate.wants_draft() for _ in range(3)] == [False, False, True]
+    gate.observe(drafted=True, rows=4, committed=5, seconds=0.050)  # loses again: back off longer
+    assert [gate.wants_draft() for _ in range(5)] == [False] * 4 + [True]
+    # plain rounds that run slower than profiled make drafting look better by the same factor
+    gate.observe(drafted=False, rows=4, committed=4, seconds=0.026)
+    assert gate.calibration == pytest.approx(0.75)
+
+
+def test_gated_engine_stays_exact(target):
+    """With the gate closing and opening, outputs stay the target's greedy outputs."""
+    policy = ConfidenceScheduler(SPSProfile(tokens=[1, 1000], seconds=[1e-4, 1e-4 + 999 * 1e-7]))
+    drafter = tiny_drafter(target, head="domino", confidence_head=True, block_size=4).double()
+    engine = DecodingEngine(target, drafter, policy=policy)
+    requests = {f"r{i}": (p, GenerationConfig(max_new_tokens=30, stop_token_ids=[]))
+                for i, p in enumerate(random_prompts(3, seed=9))}
+    got = run_batch(engine, requests)
+    assert policy.gate.losses > 0  # a random drafter loses against a plain round this fast
+    for rid, (prompt, config) in requests.items():
+        assert got[rid] == hf_greedy(target, prompt, 30)
