@@ -19,7 +19,7 @@ from torch import nn
 from domino.config import DrafterConfig
 from domino.errors import DominoError
 from domino.heads import ConfidenceHead, build_head
-from domino.sampling import SamplingParams, probabilities, sample
+from domino.sampling import RowSampling
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -88,11 +88,14 @@ class DraftLayer(nn.Module):
 
 @dataclass
 class ContextCache:
-    """Per draft layer, the keys and values of the context (n, kv_heads, tokens, head_dim). Only
-    committed tokens' features enter it; a drafted block is never cached."""
+    """Per draft layer, the keys and values of the context (n, kv_heads, slots, head_dim). Only
+    committed tokens' features are attended to; a drafted block is never cached. In a batch of
+    requests, rows hold different numbers of tokens: `valid` (n, slots) marks the slots that count
+    (None: all of them)."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    valid: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -161,7 +164,8 @@ class Drafter(nn.Module):
 
     # -- drafting ----------------------------------------------------------------------------------
     def extend_context(self, cache: ContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append committed tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache."""
+        """Append tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache (the caller
+        keeps `cache.valid` in step when rows differ)."""
         new = self.context_kv(features, positions)
         if not cache.keys:
             cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
@@ -171,14 +175,20 @@ class Drafter(nn.Module):
             cache.values[i] = torch.cat([cache.values[i], v], dim=2)
 
     @torch.no_grad()
-    def draft(self, cache: ContextCache, anchors: torch.Tensor, params: SamplingParams,
-              generator: torch.Generator | None = None) -> Draft:
-        """One drafting round: propose the B tokens after each anchor (n,). The anchor sits at position
-        `cache.length` (it is committed but not yet in the context). Greedy when params.greedy, else each
-        proposal is sampled from the returned distribution, conditioned on the proposals before it."""
+    def draft(self, cache: ContextCache, anchors: torch.Tensor, sampling: RowSampling,
+              positions: torch.Tensor | None = None) -> Draft:
+        """One drafting round: propose the B tokens after each anchor (n,), sitting at `positions` (n,)
+        (default: right after the cached context). Each proposal is chosen by the row's sampling rule
+        from a distribution conditioned on the proposals before it, and that distribution is returned."""
         n, block = anchors.shape[0], self.config.block_size
-        positions = cache.length + torch.arange(block, device=anchors.device).expand(n, block)
-        h = self.backbone(self.block_ids(anchors), positions, [cache.layer(i) for i in range(len(self.layers))])
+        offsets = torch.arange(block, device=anchors.device)
+        if positions is None:
+            positions = torch.full((n,), cache.length, device=anchors.device)
+        mask = None
+        if cache.valid is not None:  # attend to the valid context slots and to the whole block
+            mask = torch.cat([cache.valid, cache.valid.new_ones(n, block)], dim=1)[:, None, None, :]
+        h = self.backbone(self.block_ids(anchors), positions[:, None] + offsets,
+                          [cache.layer(i) for i in range(len(self.layers))], mask)
         base = self.lm_head(h)
         state = self.head.initial_state(n, h) if self.head is not None else None
         prev = anchors
@@ -191,16 +201,12 @@ class Drafter(nn.Module):
                 logits = logits + self.head.out(z).float()
             if self.confidence is not None:
                 confidence.append(torch.sigmoid(self.confidence(h[:, k], prev_embed)))
-            if params.greedy:
-                prev = logits.argmax(dim=-1)
-            else:
-                p = probabilities(logits, params)
-                prev = sample(p, generator)
-                probs.append(p)
+            prev, p = sampling.choose(logits)
             tokens.append(prev)
+            probs.append(p)
         return Draft(
             tokens=torch.stack(tokens, dim=1),
-            probs=torch.stack(probs, dim=1) if probs else None,
+            probs=None if sampling.all_greedy else torch.stack(probs, dim=1),
             confidence=torch.stack(confidence, dim=1) if confidence else None,
         )
 

@@ -53,3 +53,36 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """One token id per row of `probs` (..., vocab)."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+class RowSampling:
+    """Sampling for a batch of requests: row r uses its own parameters and its own random generator,
+    so a request's samples do not depend on which other requests share its batch."""
+
+    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None]):
+        self.params, self.generators = params, generators
+        self.greedy = torch.tensor([p.greedy for p in params])
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-row sampling distributions of logits (n, ..., V); rows that decode greedily get zeros."""
+        probs = torch.zeros_like(logits, dtype=torch.float32)
+        for params in set(self.params):
+            if not params.greedy:
+                rows = torch.tensor([p == params for p in self.params])
+                probs[rows] = probabilities(logits[rows], params)
+        return probs
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row of logits (n, V): the argmax for greedy rows, else a draw from the row's
+        distribution. Returns the tokens and the distributions they were drawn from (None if all greedy)."""
+        tokens = logits.argmax(dim=-1)
+        if self.all_greedy:
+            return tokens, None
+        probs = self.probabilities(logits)
+        for r in torch.nonzero(~self.greedy).flatten().tolist():
+            tokens[r] = sample(probs[r], self.generators[r])
+        return tokens, probs

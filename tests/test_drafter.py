@@ -4,7 +4,7 @@ import torch
 from domino.config import DrafterConfig
 from domino.drafter import ContextCache, Drafter
 from domino.errors import DominoError
-from domino.sampling import GREEDY, SamplingParams
+from domino.sampling import GREEDY, RowSampling, SamplingParams
 from helpers import tiny_drafter, tiny_target
 
 HEADS = ["none", "domino", "markov", "rnn"]
@@ -14,7 +14,7 @@ def draft_once(drafter, target, ids, params=GREEDY, seed=0):
     features = target.forward(ids[:, :-1], layer_ids=drafter.config.target_layer_ids).features
     cache = ContextCache()
     drafter.extend_context(cache, features, torch.arange(ids.shape[1] - 1)[None])
-    return drafter.draft(cache, ids[:, -1], params, torch.Generator().manual_seed(seed))
+    return drafter.draft(cache, ids[:, -1], RowSampling([params], [torch.Generator().manual_seed(seed)]))
 
 
 @pytest.mark.parametrize("bad, message", [

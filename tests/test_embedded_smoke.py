@@ -4,7 +4,7 @@ import torch
 
 from domino.config import DrafterConfig
 from domino.drafter import ContextCache, Drafter
-from domino.sampling import GREEDY
+from domino.sampling import GREEDY, RowSampling
 
 
 def test_drafter_runs_on_the_embedded_target(embedded_target):
@@ -17,7 +17,7 @@ def test_drafter_runs_on_the_embedded_target(embedded_target):
     cache = ContextCache()
     drafter.extend_context(cache, out.features, torch.arange(ids.shape[1])[None])
     anchor = out.logits[:, -1].argmax(-1)
-    draft = drafter.draft(cache, anchor, GREEDY)
+    draft = drafter.draft(cache, anchor, RowSampling([GREEDY], [None]))
     assert draft.tokens.shape == (1, 16)
     assert ((0 <= draft.tokens) & (draft.tokens < target.vocab_size)).all()
     assert cache.length == ids.shape[1]

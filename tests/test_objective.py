@@ -6,7 +6,7 @@ import torch
 from domino.drafter import ContextCache
 from domino.objective import (DraftingObjective, ObjectiveConfig, curriculum_lambda, packed_block_mask,
                               position_weights, sample_anchors)
-from domino.sampling import SamplingParams
+from domino.sampling import RowSampling, SamplingParams
 from helpers import tiny_drafter, tiny_target
 
 HEADS = ["none", "domino", "markov", "rnn"]
@@ -43,7 +43,7 @@ def test_packed_training_matches_inference_drafting(head):
         features = target.forward(ids[:, :anchor], layer_ids=drafter.config.target_layer_ids).features
         cache = ContextCache()
         drafter.extend_context(cache, features, torch.arange(anchor)[None])
-        draft = drafter.draft(cache, ids[:, anchor], SamplingParams(temperature=1.0), torch.Generator().manual_seed(i))
+        draft = drafter.draft(cache, ids[:, anchor], RowSampling([SamplingParams(1.0)], [torch.Generator().manual_seed(i)]))
         # write the drafted tokens into the sequence, so teacher forcing reads what was drafted
         forced = ids.clone()
         forced[0, anchor + 1: anchor + 1 + block] = draft.tokens[0]

@@ -15,7 +15,7 @@ import torch
 
 from domino.config import HEAD_KINDS, DrafterConfig
 from domino.drafter import ContextCache, Drafter
-from domino.sampling import GREEDY
+from domino.sampling import GREEDY, RowSampling
 from domino.target import DEFAULT_TARGET, Target
 
 
@@ -71,7 +71,7 @@ def main() -> None:
         cache.crop(-tokens.shape[1])
 
     timings = {
-        "draft one block (backbone + Domino head, greedy)": median_seconds(lambda: drafter.draft(context, anchor, GREEDY), args.repeats),
+        "draft one block (backbone + Domino head, greedy)": median_seconds(lambda: drafter.draft(context, anchor, RowSampling([GREEDY], [None])), args.repeats),
         "target decode step (1 token)": median_seconds(lambda: target_step(one), args.repeats),
         f"target verify ({args.block_size + 1} tokens)": median_seconds(lambda: target_step(block), args.repeats),
     }

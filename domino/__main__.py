@@ -1,0 +1,83 @@
+"""Command line: `python -m domino generate --target smollm2-135m --drafter PATH --prompt "..."`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from domino.errors import DominoError
+from domino.target import DEFAULT_TARGET
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m domino", description="Domino speculative decoding")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser(
+        "generate", help="generate text, streaming tokens as they are committed",
+        description="Generate with lossless speculative decoding. Prints the text as it is committed, then "
+                    "tau (tokens per target forward) and tokens/s on stderr.")
+    generate.add_argument("--target", default=DEFAULT_TARGET,
+                          help=f"model folder, hub id, or the embedded '{DEFAULT_TARGET}' (default)")
+    generate.add_argument("--drafter", default="none",
+                          help="drafter checkpoint folder; 'none' decodes without one (the baseline); "
+                               "'oracle' proposes the target's own greedy output (the loop's ceiling)")
+    generate.add_argument("--prompt", required=True, help="the user message (chat models) or raw prompt")
+    generate.add_argument("--max-new-tokens", type=int, default=256)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0, help="0 turns top-k off")
+    generate.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
+    generate.add_argument("--block-size", type=int, default=16, help="draft length for --drafter oracle")
+    generate.add_argument("--verify", choices=["full", "threshold"], default="full",
+                          help="verify every draft (default), or stop where the confidence head's estimate that "
+                               "the prefix survives falls below --threshold (drafters with a confidence head)")
+    generate.add_argument("--threshold", type=float, default=0.3)
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    # imported here so that --help and argument errors are instant
+    from domino.decoding import GenerationConfig, SpeculativeDecoder
+    from domino.drafter import Drafter
+    from domino.sampling import SamplingParams
+    from domino.scheduler import make_policy
+    from domino.target import Target
+
+    if not args.prompt.strip():
+        raise DominoError("the prompt is empty: pass --prompt \"...\"")
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=args.stop, seed=args.seed,
+                              sampling=SamplingParams(args.temperature, args.top_p, args.top_k))
+    target = Target.load(args.target)
+    drafter = args.drafter
+    if drafter == "none":
+        drafter = None
+    elif drafter != "oracle":
+        drafter = Drafter.from_pretrained(drafter, target)
+    policy = make_policy(args.verify, target, threshold=args.threshold)
+    decoder = SpeculativeDecoder(target, drafter, block_size=args.block_size, policy=policy)
+    prompt_ids = target.encode_prompt(args.prompt, chat=False if args.no_chat else None)
+    result = decoder.generate(prompt_ids, config, on_tokens=lambda tokens, text: print(text, end="", flush=True))
+    s = result.stats
+    total = max(s.total_s, 1e-9)
+    print(f"\n[{s.new_tokens} tokens in {s.total_s:.2f} s: {s.tokens_per_second:.1f} tokens/s, tau {s.tau:.2f} "
+          f"over {s.rounds} rounds; prefill {100 * s.prefill_s / total:.0f}%, draft {100 * s.draft_s / total:.0f}%, "
+          f"verify {100 * s.verify_s / total:.0f}%, other {100 * s.other_s / total:.0f}%; "
+          f"finish: {result.finish_reason}]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            run_generate(args)
+    except DominoError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The decoding engine: lossless speculative decoding for a batch of requests (continuous batching).
+
+Each `step` admits waiting requests (prefill: one target forward over the prompt, capturing the
+drafter's features, and the first token), then runs one round for every request in flight:
+
+  draft a block for all rows at once -> choose how many drafts each row verifies -> verify all rows in
+  one target forward -> accept per row (greedy match or speculative sampling) -> keep the accepted
+  slots in both caches -> commit, and retire the rows that finished.
+
+Rows advance by different numbers of tokens (ragged); the caches handle that with holes (ragged.py).
+Plain autoregressive decoding is the same loop with no drafter (each round verifies just the anchor),
+and the oracle drafter proposes the target's own greedy continuation: the loop's ceiling.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from domino.drafter import ContextCache, Draft, Drafter
+from domino.errors import DominoError
+from domino.ragged import BatchCaches
+from domino.requests import GenerationConfig, GenerationResult, RequestState
+from domino.sampling import RowSampling
+from domino.scheduler import FullVerify
+from domino.target import Target
+from domino.verify import greedy_accept, speculative_accept
+
+PAD = 0  # token id fed in padding slots; they are masked out everywhere
+
+
+@dataclass
+class Event:
+    request_id: str
+    tokens: list[int]  # committed this step
+    text: str  # text released this step
+    result: GenerationResult | None  # set on the request's last event
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
+class DecodingEngine:
+    """`drafter`: a Drafter, "oracle", or None (plain decoding). `policy` decides per round how many
+    drafts each request verifies (scheduler.py; default: all of them)."""
+
+    def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int = 16, policy=None):
+        if isinstance(drafter, Drafter):
+            drafter.config.check_target(target)
+            block_size = drafter.config.block_size
+        elif drafter not in (None, "oracle"):
+            raise DominoError(f"drafter must be a Drafter, 'oracle' or None, got {drafter!r}")
+        self.policy = policy or FullVerify()
+        if self.policy.needs_confidence and not (isinstance(drafter, Drafter) and drafter.confidence is not None):
+            raise DominoError("confidence-scheduled verification needs a drafter trained with a confidence head "
+                              "(confidence_head=true)")
+        self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.layer_ids = drafter.config.target_layer_ids if isinstance(drafter, Drafter) else []
+        self.pending: dict[str, RequestState] = {}
+        self.ids: list[str] = []  # request id of each batch row
+        self.states: dict[str, RequestState] = {}
+        self.anchors: list[int] = []  # each row's last committed token, not yet fed to the target
+        self.started: dict[str, float] = {}
+        self.caches: BatchCaches | None = None
+
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> RequestState:
+        """Queue a request; it starts at the next step. Bad input raises DominoError here."""
+        if request_id in self.pending or request_id in self.states:
+            raise DominoError(f"request id {request_id!r} is already in flight")
+        state = RequestState(self.target, prompt_ids, config)
+        self.pending[request_id] = state
+        return state
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (e.g. its client went away); it does no further work."""
+        if self.pending.pop(request_id, None) is None and request_id in self.states:
+            self._retire([request_id])
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending or self.ids)
+
+    @property
+    def running(self) -> int:
+        return len(self.ids)
+
+    def step(self) -> list[Event]:
+        events = [self._admit(request_id, state) for request_id, state in list(self.pending.items())]
+        self.pending.clear()
+        if self.ids:
+            events += self._round()
+        return events
+
+    # -- prefill ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _admit(self, request_id: str, state: RequestState) -> Event:
+        if self.drafter == "oracle":  # outside the request's clock: it stands for a perfect drafter
+            state.reference = self._greedy_continuation(state)
+        start = self.started[request_id] = time.perf_counter()
+        target = self.target
+        prompt = torch.tensor([state.prompt], device=target.device)
+        cache = target.new_cache()
+        out = target.forward(prompt, cache, layer_ids=self.layer_ids)
+        first, _ = RowSampling([state.config.sampling], [state.generator]).choose(out.logits[:, -1])
+        state.stats.prefill_s = time.perf_counter() - start
+
+        context = None
+        if isinstance(self.drafter, Drafter):
+            begin = time.perf_counter()
+            context = ContextCache()
+            self.drafter.extend_context(context, out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
+            state.stats.draft_s += time.perf_counter() - begin
+        tokens, text = state.commit([int(first)])
+        if not state.finished:
+            joining = BatchCaches(cache, context, torch.ones_like(prompt, dtype=torch.bool))
+            if self.caches is None:
+                self.caches = joining
+            else:
+                self.caches.append_rows(joining)
+            self.ids.append(request_id)
+            self.states[request_id] = state
+            self.anchors.append(int(first))
+        state.stats.total_s = time.perf_counter() - start
+        return Event(request_id, tokens, text, state.result if state.finished else None)
+
+    def _greedy_continuation(self, state: RequestState) -> list[int]:
+        plain = DecodingEngine(self.target)
+        plain.add("reference", state.prompt, GenerationConfig(state.config.max_new_tokens, stop_token_ids=[]))
+        tokens = []
+        while plain.has_work:
+            tokens += [t for event in plain.step() for t in event.tokens]
+        return tokens
+
+    # -- one round for every row -----------------------------------------------------------------
+    def _propose(self, states: list[RequestState], anchors: torch.Tensor, positions: torch.Tensor,
+                 sampling: RowSampling) -> Draft:
+        if isinstance(self.drafter, Drafter):
+            return self.drafter.draft(self.caches.context, anchors, sampling, positions)
+        upcoming = [s.reference[len(s.tokens): len(s.tokens) + self.block_size] for s in states]
+        tokens = torch.tensor([u + [PAD] * (self.block_size - len(u)) for u in upcoming], device=anchors.device)
+        probs = None
+        if not sampling.all_greedy:  # the oracle's proposals are certain: q is a point mass
+            probs = F.one_hot(tokens, self.target.vocab_size).float()
+        return Draft(tokens=tokens, probs=probs, confidence=None)
+
+    def _accept(self, drafts: torch.Tensor, draft: Draft | None, logits: torch.Tensor, lengths: torch.Tensor,
+                sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, how many drafts pass and the token committed after them."""
+        accepted, following = greedy_accept(drafts, logits, lengths)
+        if sampling.all_greedy:
+            return accepted, following
+        target_probs = sampling.probabilities(logits)
+        width = drafts.shape[1]
+        for r in torch.nonzero(~sampling.greedy).flatten().tolist():
+            q = draft.probs[r:r + 1, :width] if draft is not None else logits.new_zeros(1, 0, logits.shape[-1])
+            a, f = speculative_accept(drafts[r:r + 1], q, target_probs[r:r + 1], lengths[r:r + 1],
+                                      sampling.generators[r])
+            accepted[r], following[r] = a[0], f[0]
+        return accepted, following
+
+    @torch.no_grad()
+    def _round(self) -> list[Event]:
+        states = [self.states[i] for i in self.ids]
+        device = self.target.device
+        sampling = RowSampling([s.config.sampling for s in states], [s.generator for s in states])
+        anchors = torch.tensor(self.anchors, device=device)
+        positions = self.caches.positions
+        proposes = self.drafter is not None
+        caps = torch.tensor([min(self.block_size, s.remaining - 1) if proposes else 0 for s in states], device=device)
+
+        start = time.perf_counter()
+        draft = None
+        lengths = torch.zeros_like(caps)
+        if int(caps.max()) > 0 and self.policy.wants_draft():
+            draft = self._propose(states, anchors, positions, sampling)
+            lengths = self.policy.lengths(caps, draft.confidence)
+        drafted = time.perf_counter()
+
+        width = int(lengths.max())
+        offsets = torch.arange(1 + width, device=device)
+        new_valid = offsets < 1 + lengths[:, None]
+        block = anchors[:, None]
+        if width:
+            block = torch.cat([block, draft.tokens[:, :width]], dim=1).masked_fill(~new_valid, PAD)
+        out = self.target.forward(block, self.caches.target, layer_ids=self.layer_ids,
+                                  attention_mask=self.caches.attention_mask(new_valid).long(),
+                                  position_ids=positions[:, None] + offsets)
+        drafts = block[:, 1:]
+        accepted, following = self._accept(drafts, draft, out.logits, lengths, sampling)
+        verified = time.perf_counter()
+
+        if isinstance(self.drafter, Drafter):
+            self.drafter.extend_context(self.caches.context, out.features, positions[:, None] + offsets)
+        self.caches.settle(offsets < 1 + accepted[:, None])
+        settled = time.perf_counter()
+        self.policy.observe(draft is not None, len(states), int(accepted.sum()) + len(states), settled - start)
+
+        events, done = [], []
+        for r, (request_id, state) in enumerate(zip(self.ids, states)):
+            n = int(accepted[r])
+            committed = drafts[r, :n].tolist() + [int(following[r])]
+            state.stats.record_round(int(lengths[r]), n)
+            state.stats.draft_s += (drafted - start) + (settled - verified)
+            state.stats.verify_s += verified - drafted
+            tokens, text = state.commit(committed)
+            self.anchors[r] = committed[-1]
+            state.stats.total_s = time.perf_counter() - self.started[request_id]
+            events.append(Event(request_id, tokens, text, state.result if state.finished else None))
+            if state.finished:
+                done.append(request_id)
+        self._retire(done)
+        if self.caches is not None:
+            self.caches.compact()
+        return events
+
+    def _retire(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        keep = [r for r, i in enumerate(self.ids) if i not in request_ids]
+        for request_id in request_ids:
+            del self.states[request_id]
+            self.started.pop(request_id, None)
+        self.ids = [self.ids[r] for r in keep]
+        self.anchors = [self.anchors[r] for r in keep]
+        if keep:
+            self.caches.keep_rows(torch.tensor(keep, device=self.caches.valid.device))
+        else:
+            self.caches = None

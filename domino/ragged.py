@@ -1,0 +1,93 @@
+"""The caches of a batch of requests that advance by different numbers of tokens per round.
+
+The target's KV cache (a transformers DynamicCache) and the drafter's context cache share one slot
+layout: slot t of row r holds the same token in both, and `valid` (n, slots) marks the slots that
+count. A round appends the same number of slots to every row (rows verify different numbers of
+drafts and keep different numbers); slots a row did not keep become holes that attention masks out.
+`compact` squeezes the holes out once they pile up, and rows join and leave between rounds.
+Positions are passed explicitly, so a row's slot index never has to equal its token position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from domino.drafter import ContextCache
+
+
+class BatchCaches:
+    def __init__(self, target: DynamicCache, context: ContextCache | None, valid: torch.Tensor):
+        self.target, self.context, self.valid = target, context, valid
+        if context is not None:
+            context.valid = valid
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The position of each row's next token: how many tokens it holds."""
+        return self.valid.sum(dim=1)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every key/value tensor, each (rows, heads, slots, head_dim), in a fixed order."""
+        out = [t for layer in self.target.layers for t in (layer.keys, layer.values)]
+        if self.context is not None:
+            out += self.context.keys + self.context.values
+        return out
+
+    def _replace(self, tensors: list[torch.Tensor], valid: torch.Tensor) -> None:
+        layers = len(self.target.layers)
+        for i, layer in enumerate(self.target.layers):
+            layer.keys, layer.values = tensors[2 * i], tensors[2 * i + 1]
+        if self.context is not None:
+            rest = tensors[2 * layers:]
+            half = len(rest) // 2
+            self.context.keys, self.context.values = rest[:half], rest[half:]
+            self.context.valid = valid
+        self.valid = valid
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], valid: torch.Tensor) -> None:
+        self._replace([fn(t) for t in self._tensors()], valid)
+
+    def attention_mask(self, new_valid: torch.Tensor) -> torch.Tensor:
+        """The mask for a forward that appends slots `new_valid` (rows, s) (padding marked False)."""
+        return torch.cat([self.valid, new_valid], dim=1)
+
+    def settle(self, kept: torch.Tensor) -> None:
+        """After a forward appended kept.shape[1] slots to both caches: which of them the rows keep."""
+        self.valid = torch.cat([self.valid, kept], dim=1)
+        if self.context is not None:
+            self.context.valid = self.valid
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self._map(lambda t: t[rows], self.valid[rows])
+
+    def append_rows(self, other: "BatchCaches") -> None:
+        """Add the rows of `other` (requests joining the batch), padding the shorter side with holes."""
+        slots = max(self.valid.shape[1], other.valid.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = slots - t.shape[dim]
+            return t if not missing else F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, missing))
+
+        mine, theirs = self._tensors(), other._tensors()
+        valid = torch.cat([pad(self.valid, 1), pad(other.valid, 1)])
+        self._replace([torch.cat([pad(a, 2), pad(b, 2)]) for a, b in zip(mine, theirs)], valid)
+
+    def compact(self, slack: float = 2.0) -> None:
+        """Squeeze out the holes once the cache holds `slack` times more slots than its longest row
+        needs: each row's valid slots move to the front, in order."""
+        counts = self.positions
+        longest = int(counts.max())
+        if self.valid.shape[1] <= slack * longest + 16:
+            return
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :longest]
+        index = order[:, None, :, None]
+        valid = torch.arange(longest, device=counts.device) < counts[:, None]
+        self._map(lambda t: t.gather(2, index.expand(-1, t.shape[1], -1, t.shape[3])), valid)

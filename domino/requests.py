@@ -1,0 +1,141 @@
+"""One generation request: its parameters, what it has produced so far, when it ends, its statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from domino.errors import DominoError
+from domino.sampling import SamplingParams
+from domino.target import Target
+from domino.text import TextStream
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: list[int] | None = None  # None: the target's end-of-sequence tokens
+    stop_strings: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise DominoError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify forward
+    proposed: list[int] = field(default_factory=list)  # per block position: drafts verified there
+    accepted: list[int] = field(default_factory=list)  # per block position: drafts accepted there
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify forward of the target (1.0 for plain decoding)."""
+        return sum(self.accept_lengths) / max(1, self.rounds)
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    def record_round(self, verified: int, accepted: int) -> None:
+        for k in range(verified):
+            if k == len(self.proposed):
+                self.proposed.append(0)
+                self.accepted.append(0)
+            self.proposed[k] += 1
+            self.accepted[k] += k < accepted
+        self.accept_lengths.append(accepted + 1)
+
+    def as_dict(self) -> dict:
+        return dict(prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens, rounds=self.rounds,
+                    tau=self.tau, acceptance_by_position=self.acceptance_by_position,
+                    prefill_s=self.prefill_s, draft_s=self.draft_s, verify_s=self.verify_s, other_s=self.other_s,
+                    total_s=self.total_s, tokens_per_second=self.tokens_per_second)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str | None
+    finish_reason: str  # "stop" or "length"
+    stats: GenerationStats
+
+
+class RequestState:
+    """A request's progress. Checks its input up front, so a bad request fails before any work."""
+
+    def __init__(self, target: Target, prompt_ids: list[int], config: GenerationConfig):
+        if not prompt_ids:
+            raise DominoError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= target.max_length:
+            raise DominoError(f"the prompt has {len(prompt_ids)} tokens but the target's context holds {target.max_length}")
+        if len(prompt_ids) + config.max_new_tokens > target.max_length:
+            raise DominoError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({config.max_new_tokens}) exceeds the "
+                f"target's context of {target.max_length}: lower max_new_tokens to {target.max_length - len(prompt_ids)}")
+        if config.stop_strings and target.tokenizer is None:
+            raise DominoError("stop strings need a tokenizer, and this target has none")
+        self.prompt, self.config = list(prompt_ids), config
+        self.stop_ids = set(target.stop_token_ids if config.stop_token_ids is None else config.stop_token_ids)
+        self.text = TextStream(target.tokenizer, config.stop_strings) if target.tokenizer is not None else None
+        self.generator = torch.Generator(device=target.device)
+        self.generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.reference: list[int] | None = None  # the oracle's known continuation, when it drafts
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - len(self.tokens)
+
+    @property
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.tokens, self.text.text if self.text else None, self.finish_reason or "length",
+                                self.stats)
+
+    def commit(self, tokens: list[int]) -> tuple[list[int], str]:
+        """Append tokens until a stop token, a stop string or the token budget ends the request;
+        return the tokens and the text this released."""
+        new = []
+        for token in tokens:
+            new.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) + len(new) == self.config.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        self.tokens.extend(new)
+        text = ""
+        if self.text is not None:
+            text = self.text.push(new, final=self.finished)
+            if self.text.stopped:
+                self.finish_reason = "stop"
+        self.stats.new_tokens = len(self.tokens)
+        return new, text

@@ -1,0 +1,176 @@
+"""How many of each request's drafted tokens to verify this round (DESIGN §6).
+
+Verifying a token costs target capacity whether or not it is accepted. With the confidence head's
+survival estimates c_{r,j}, the chance that draft j of request r is accepted is a_{r,j} = prod_{i<=j}
+c_{r,i}. Verifying l_r tokens of each request returns tau = sum_r (1 + sum_{j<=l_r} a_{r,j}) tokens
+per forward of B tokens, at SPS(B) forwards per second; DSpark admits (r, j) in order of a_{r,j} while
+Theta = tau * SPS(B) does not drop. Every rule here looks only at confidences, which depend on the
+tokens before the one being judged, so cutting a draft short never changes the output distribution.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from domino.errors import DominoError
+
+
+@dataclass
+class SPSProfile:
+    """Target forwards per second against the number of tokens in the forward, measured at start-up.
+    Between (and beyond) measured sizes the forward time is interpolated linearly."""
+
+    tokens: list[int]
+    seconds: list[float]
+
+    def __call__(self, batch_tokens: int) -> float:
+        i = min(max(bisect.bisect_left(self.tokens, batch_tokens), 1), len(self.tokens) - 1)
+        (b0, b1), (t0, t1) = self.tokens[i - 1: i + 1], self.seconds[i - 1: i + 1]
+        seconds = t0 + (t1 - t0) * (batch_tokens - b0) / (b1 - b0)
+        return 1.0 / max(seconds, 1e-9)
+
+
+@torch.no_grad()
+def profile_sps(target, max_tokens: int = 512, context: int = 128, repeats: int = 3) -> SPSProfile:
+    """Time one target forward of 1, 2, 4, ... max_tokens new tokens after `context` cached ones."""
+    sizes = [1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens]
+    ids = torch.randint(0, target.vocab_size, (1, context + max_tokens), device=target.device)
+    cache = target.new_cache()
+    target.forward(ids[:, :context], cache)
+    seconds = []
+    for size in sizes:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target.forward(ids[:, context: context + size], cache)
+            times.append(time.perf_counter() - start)
+            cache.crop(-size)
+        seconds.append(min(times))
+    return SPSProfile(sizes, seconds)
+
+
+class VerifyPolicy:
+    """Decides, each round, whether to draft at all and how many drafts each request verifies."""
+
+    needs_confidence = False
+
+    def wants_draft(self) -> bool:
+        return True
+
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
+        """What the round just run cost and returned."""
+
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class FullVerify(VerifyPolicy):
+    """Verify every drafted token (up to each request's remaining budget)."""
+
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
+        return caps
+
+
+@dataclass
+class ThresholdVerify(VerifyPolicy):
+    """Verify while the estimated chance that the whole prefix survives stays above `threshold`."""
+
+    threshold: float = 0.3
+    needs_confidence = True
+
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        survive = torch.cumprod(confidence, dim=1) >= self.threshold
+        return torch.minimum(survive.long().cumprod(dim=1).sum(dim=1), caps)
+
+
+@dataclass
+class SpeculationGate:
+    """Drafting costs time before its worth is known: with many requests in a batch, a round of plain
+    decoding can commit more tokens per second than a round of draft + verify. After a drafted round
+    that committed fewer tokens per second than a plain round would have (the SPS profile's estimate,
+    corrected by what plain rounds really measured), the gate decodes plainly for 2, 4, 8 ... rounds
+    before trying drafts again. It looks only at finished rounds, so it never changes the output."""
+
+    sps: SPSProfile
+    max_backoff: int = 64
+    calibration: float = 1.0  # measured / profiled speed of plain rounds
+    losses: int = 0
+    skip: int = 0
+
+    def wants_draft(self) -> bool:
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
+        rate = committed / max(seconds, 1e-9)
+        plain_rate = rows * self.sps(rows)  # a plain round commits one token per row
+        if not drafted:
+            self.calibration = 0.5 * (self.calibration + rate / plain_rate)
+        elif rate < self.calibration * plain_rate:
+            self.losses += 1
+            self.skip = min(2 ** self.losses, self.max_backoff)
+        else:
+            self.losses = 0
+
+
+@dataclass
+class ConfidenceScheduler(VerifyPolicy):
+    """DSpark's greedy admission. `padded`: the verify forward runs every row at the batch's longest
+    length, so the cost is rows * (1 + max l); verifying up to that length is then free for every row,
+    and rows are topped up to it. With padded=False the cost is sum_r (1 + l_r), as in a ragged backend.
+    A SpeculationGate skips drafting while it does not pay."""
+
+    sps: SPSProfile
+    padded: bool = True
+    needs_confidence = True
+
+    def __post_init__(self) -> None:
+        self.gate = SpeculationGate(self.sps)
+
+    def wants_draft(self) -> bool:
+        return self.gate.wants_draft()
+
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
+        self.gate.observe(drafted, rows, committed, seconds)
+
+    def cost(self, lengths: torch.Tensor) -> int:
+        if self.padded:
+            return int(lengths.numel() * (1 + lengths.max()))
+        return int((1 + lengths).sum())
+
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        survive = torch.cumprod(confidence.double(), dim=1)  # a_{r,j}
+        rows, cols = survive.shape
+        lengths = torch.zeros(rows, dtype=torch.long)
+        tau = float(rows)  # every row commits at least one token
+        theta = tau * self.sps(self.cost(lengths))
+        candidates = sorted(((-float(survive[r, j]), j, r) for r in range(rows) for j in range(int(caps[r]))))
+        for negative_a, j, r in candidates:
+            if j != lengths[r]:  # a position is admitted only after its whole prefix
+                continue
+            lengths[r] += 1
+            new_theta = (tau - negative_a) * self.sps(self.cost(lengths))
+            if new_theta < theta:  # the first drop ends admission
+                lengths[r] -= 1
+                break
+            tau, theta = tau - negative_a, new_theta
+        if self.padded:
+            lengths = torch.minimum(lengths.max().expand(rows), caps.cpu())
+        return lengths.to(caps.device)
+
+
+def make_policy(name: str, target=None, threshold: float = 0.3, max_tokens: int = 512):
+    """A verify policy by name: 'full', 'threshold' or 'confidence' (profiles the target's SPS)."""
+    if name == "full":
+        return FullVerify()
+    if name == "threshold":
+        return ThresholdVerify(threshold)
+    if name == "confidence":
+        return ConfidenceScheduler(profile_sps(target, max_tokens=max_tokens))
+    raise DominoError(f"unknown verify policy '{name}': choose full, threshold or confidence")

@@ -1,0 +1,35 @@
+"""Token ids -> text as they are committed, with stop strings."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+
+class TextStream:
+    """Decodes the generated tokens incrementally. Text is released only when it can no longer change:
+    a trailing partial UTF-8 character is held back, and so is any tail that could still grow into a
+    stop string. A stop string ends the text before it (it is not part of the output)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str] | tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop_strings = [s for s in stop_strings if s]
+        self.tokens: list[int] = []
+        self.text = ""  # everything released so far
+        self.stopped = False
+
+    def push(self, tokens: list[int], final: bool = False) -> str:
+        """Add committed tokens; return the newly released text. `final` releases everything left."""
+        self.tokens.extend(tokens)
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        for stop in self.stop_strings:
+            at = full.find(stop, max(0, len(self.text) - len(stop)))
+            if at != -1:
+                full, self.stopped, final = full[:at], True, True
+        if not final:
+            if full.endswith("\ufffd"):  # a multi-byte character still arriving
+                full = full.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in self.stop_strings), default=0)
+            full = full[: max(len(self.text), len(full) - hold)]
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += delta
+        return delta

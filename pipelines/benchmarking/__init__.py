@@ -1,0 +1,1 @@
+"""The benchmark harness behind `python -m pipelines.bench`: prompt sets, methods, reports."""

@@ -1,0 +1,68 @@
+"""The decoding methods a benchmark compares, all on the same target with the same limits.
+
+Ours run through domino's engine (plain autoregressive decoding, drafters, the oracle ceiling);
+Hugging Face `generate`, plain and with prompt-lookup decoding, are the baselines users would
+otherwise pick. Every method returns the same record: tokens, seconds, and our per-round statistics
+where the method has them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from domino.decoding import GenerationConfig, SpeculativeDecoder
+from domino.drafter import Drafter
+from domino.errors import DominoError
+from domino.requests import GenerationStats
+from domino.target import Target
+
+BUILTIN = ("autoregressive", "hf-generate", "prompt-lookup", "oracle")
+
+
+@dataclass
+class Output:
+    tokens: list[int]
+    seconds: float
+    stats: GenerationStats | None = None  # rounds, acceptance and time split (our engine only)
+
+
+@dataclass
+class Method:
+    name: str
+    target: Target
+    decoder: SpeculativeDecoder | None = None  # None: a Hugging Face generate method
+    hf_options: dict = field(default_factory=dict)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Output:
+        if self.decoder is not None:
+            result = self.decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
+            return Output(result.tokens, result.stats.total_s, result.stats)
+        ids = torch.tensor([prompt_ids], device=self.target.device)
+        start = time.perf_counter()
+        out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                         do_sample=False, eos_token_id=self.target.stop_token_ids,
+                                         pad_token_id=self.target.stop_token_ids[0], **self.hf_options)
+        seconds = time.perf_counter() - start
+        return Output(out[0, ids.shape[1]:].tolist(), seconds)
+
+
+def make_method(spec: str, target: Target, block_size: int = 16) -> Method:
+    """'autoregressive', 'hf-generate', 'prompt-lookup', 'oracle', or a drafter checkpoint given as
+    PATH or NAME=PATH."""
+    if spec == "autoregressive":
+        return Method(spec, target, SpeculativeDecoder(target, None))
+    if spec == "oracle":
+        return Method(spec, target, SpeculativeDecoder(target, "oracle", block_size=block_size))
+    if spec == "hf-generate":
+        return Method(spec, target)
+    if spec == "prompt-lookup":
+        return Method(spec, target, hf_options=dict(prompt_lookup_num_tokens=10))
+    name, _, path = spec.rpartition("=")
+    if not Path(path).is_dir():
+        raise DominoError(f"unknown method '{spec}': use one of {', '.join(BUILTIN)}, or a drafter checkpoint "
+                          f"folder (PATH or NAME=PATH)")
+    drafter = Drafter.from_pretrained(path, target)
+    return Method(name or Path(path).name, target, SpeculativeDecoder(target, drafter))

@@ -1,0 +1,243 @@
+"""OpenAI-compatible serving of lossless speculative decoding on Ray Serve.
+
+Each replica loads the target and the drafter once and runs every request it holds through one
+batched engine (domino.engine), driven by a background thread (pipelines/serving/runner.py): every
+round drafts and verifies all of the replica's requests together (continuous batching), each may
+verify a different number of drafts (verify=confidence: DSpark's scheduling), and a client that
+disconnects has its generation cancelled.
+
+    serve run pipelines.serve:app                                   # the embedded target, no drafter
+    serve run pipelines.serve:build_app drafter=runs/default/drafter num_cpus=2
+    serve deploy cluster/serve.yaml                                  # a running cluster, autoscaling
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
+events), GET /v1/models, GET /health.
+"""
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+from ray.serve import Application
+from starlette.exceptions import HTTPException
+
+from domino.config import MAX_BLOCK_SIZE
+from domino.drafter import Drafter
+from domino.engine import DecodingEngine
+from domino.errors import DominoError
+from domino.scheduler import make_policy
+from domino.target import DEFAULT_TARGET, Target
+from pipelines.serving.metrics import ReplicaMetrics
+from pipelines.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorDetail, ErrorResponse,
+                                        GenerationRequest, ModelCard, ModelList, ResponseIds, chunk,
+                                        complete_response, sse)
+from pipelines.serving.runner import EngineRunner, RequestStream
+
+logger = logging.getLogger("ray.serve")
+
+
+class ServeArgs(BaseModel):
+    """The application's arguments (`serve run ... key=value`, or `args:` in cluster/serve.yaml)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(DEFAULT_TARGET, description="model folder, hub id, or the embedded default")
+    drafter: str = Field("none", description="drafter checkpoint folder, 'none' (plain decoding) or 'oracle'")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    block_size: int | None = Field(None, ge=2, le=MAX_BLOCK_SIZE,
+                                   description="draft block size; a checkpoint's own by default, 16 for the oracle")
+    model_name: str | None = Field(None, description="the id clients send as `model` (default: the target)")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (torch uses as many threads)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; the model runs on CUDA when > 0")
+    verify: Literal["full", "threshold", "confidence"] = Field(
+        "full", description="how many drafts each request verifies per round: all of them, up to a confidence "
+                            "threshold, or DSpark's confidence scheduling (both need a confidence head)")
+    threshold: float = Field(0.3, gt=0, lt=1, description="for verify=threshold")
+    max_batch_tokens: int = Field(1024, ge=1, description="largest verify forward the start-up SPS profile "
+                                                          "measures (verify=confidence)")
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or self.target
+
+
+# -- errors: every failure leaves as an OpenAI-style error body, never a stack trace ---------------
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.detail = status, ErrorDetail(message=message, type=type, param=param, code=code)
+
+
+def error_response(status: int, detail: ErrorDetail) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
+
+
+api = FastAPI(title="Domino speculative decoding", description="OpenAI-compatible completions and chat completions")
+
+
+@api.exception_handler(ApiError)
+async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
+    return error_response(error.status, error.detail)
+
+
+@api.exception_handler(DominoError)
+async def on_domino_error(request: Request, error: DominoError) -> JSONResponse:
+    return error_response(400, ErrorDetail(message=str(error), type="invalid_request_error"))
+
+
+@api.exception_handler(RequestValidationError)
+async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0]
+    if first["type"] == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+        return error_response(400, ErrorDetail(message=message, type="invalid_request_error", code="json_invalid"))
+    where = [str(part) for part in first["loc"] if part != "body"]
+    param = ".".join(where) or None
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    return error_response(400, ErrorDetail(message=message, type="invalid_request_error", param=param,
+                                           code=first["type"]))
+
+
+@api.exception_handler(HTTPException)
+async def on_http_error(request: Request, error: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return error_response(error.status_code, ErrorDetail(message=str(error.detail), type=kind))
+
+
+@api.exception_handler(Exception)
+async def on_server_error(request: Request, error: Exception) -> JSONResponse:
+    logger.exception("request failed")
+    return error_response(500, ErrorDetail(message=f"internal error ({type(error).__name__}); see the replica log",
+                                           type="server_error"))
+
+
+# -- streaming -------------------------------------------------------------------------------------
+
+
+async def event_stream(chat: bool, ids: ResponseIds, stream: RequestStream) -> AsyncIterator[str]:
+    """Server-sent events for one request; closing it (the client left) cancels the generation."""
+    try:
+        if chat:
+            yield sse(chunk(chat, ids, "", role=True))
+        async for event in stream:
+            if event.text:
+                yield sse(chunk(chat, ids, event.text))
+            if event.finished:
+                yield sse(chunk(chat, ids, None, event.result))
+        yield "data: [DONE]\n\n"
+    except Exception as error:  # the engine failed mid-stream: the status line is already sent
+        logger.exception("streaming request failed")
+        yield sse(ErrorResponse(error=ErrorDetail(message=f"internal error ({type(error).__name__})",
+                                                  type="server_error")))
+    finally:
+        stream.cancel()
+
+
+# -- the replica -----------------------------------------------------------------------------------
+
+
+def load_engine(args: ServeArgs) -> DecodingEngine:
+    """Target, drafter and verify policy, loaded once per replica."""
+    device = "cuda" if args.num_gpus > 0 else "cpu"
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    target = Target.load(args.target, device=device, dtype=dtype)
+    drafter = args.drafter if args.drafter in ("none", "oracle") else Drafter.from_pretrained(args.drafter, target)
+    if isinstance(drafter, Drafter):
+        drafter = drafter.to(target.model.dtype)
+        if args.block_size not in (None, drafter.config.block_size):
+            raise DominoError(f"the drafter at {args.drafter} drafts blocks of {drafter.config.block_size} tokens, "
+                              f"not {args.block_size}: leave block_size unset")
+    policy = make_policy(args.verify, target, threshold=args.threshold, max_tokens=args.max_batch_tokens)
+    return DecodingEngine(target, None if drafter == "none" else drafter, block_size=args.block_size or 16,
+                          policy=policy)
+
+
+@serve.deployment(max_ongoing_requests=32)
+@serve.ingress(api)
+class OpenAIServer:
+    def __init__(self, args: ServeArgs):
+        torch.set_num_threads(max(1, int(args.num_cpus)))
+        engine = load_engine(args)
+        self.target = engine.target
+        self.model = args.served_name
+        self.created = int(time.time())
+        self.runner = EngineRunner(engine, ReplicaMetrics())
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose engine thread has died."""
+        if not self.runner.alive:
+            raise RuntimeError("the engine thread has stopped")
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        self.check_health()
+        return {"status": "ok", "model": self.model, "in_flight": self.runner.in_flight}
+
+    @api.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model, created=self.created)])
+
+    @api.post("/v1/completions")
+    async def completions(self, request: CompletionRequest):
+        if isinstance(request.prompt, str):
+            prompt_ids = self.target.encode_prompt(request.prompt, chat=False)
+        else:
+            prompt_ids = self.checked_token_ids(request.prompt)
+        return await self.generate(request, prompt_ids, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: ChatCompletionRequest):
+        prompt_ids = self.target.encode_prompt([message.as_template_input() for message in request.messages])
+        return await self.generate(request, prompt_ids, chat=True)
+
+    def checked_token_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.target.vocab_size
+        if not all(0 <= i < vocab for i in ids):
+            raise ApiError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
+        return ids
+
+    async def generate(self, request: GenerationRequest, prompt_ids: list[int], chat: bool):
+        if request.model not in (None, self.model):
+            raise ApiError(404, f"the model '{request.model}' is not served here; this server serves '{self.model}'",
+                           type="not_found_error", param="model", code="model_not_found")
+        config = request.generation_config(len(prompt_ids), self.target.max_length)
+        stream = await self.runner.submit(prompt_ids, config)
+        ids = ResponseIds(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
+                          model=self.model)
+        if request.stream:
+            return StreamingResponse(event_stream(chat, ids, stream), media_type="text/event-stream")
+        try:
+            result = await stream.result()
+        finally:
+            stream.cancel()  # the client left before the end
+        return complete_response(chat, ids, result)
+
+
+def application(args: ServeArgs, **deployment_options) -> Application:
+    """The application for `args`; `deployment_options` (autoscaling, ...) override the defaults."""
+    resources = {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus}
+    return OpenAIServer.options(ray_actor_options=resources, **deployment_options).bind(args)
+
+
+def build_app(args: dict[str, str]) -> Application:
+    """Serve's application builder: `serve run pipelines.serve:build_app target=... drafter=...`."""
+    try:
+        return application(ServeArgs.model_validate(args))
+    except ValidationError as error:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise DominoError(f"bad application arguments ({problems}); the arguments are "
+                          f"{', '.join(ServeArgs.model_fields)}") from None
+
+
+app = build_app({})

@@ -1,0 +1,207 @@
+"""Driving a decoding engine from a server.
+
+An engine (domino.engine.DecodingEngine) is a plain synchronous
+object: `add` a request, `cancel` it, and call `step` to advance every active request by one round.
+`EngineRunner` owns one engine and calls `step` in a loop on its own thread, so the replica's event
+loop stays free to accept connections while the model runs, and all requests on the replica make
+progress together. Requests and cancellations reach the thread through an inbox; each round's events
+go back to the asyncio queue of the request they belong to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from domino.engine import Event
+from domino.decoding import GenerationConfig, GenerationResult
+
+
+class Engine(Protocol):
+    """What the server needs from an engine. Only the runner's thread calls it."""
+
+    def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def step(self) -> list[Event]: ...
+
+    @property
+    def has_work(self) -> bool: ...
+
+
+class Observer(Protocol):
+    """Told what happens on the engine thread (the replica's metrics)."""
+
+    def on_step(self, events: list[Event], in_flight: int) -> None: ...
+
+    def on_cancel(self) -> None: ...
+
+
+class RequestStream:
+    """One request as its HTTP handler sees it: iterate for its events. Leaving the iteration early
+    or calling `cancel` (a client that disconnected) stops the generation at the next round."""
+
+    def __init__(self, runner: "EngineRunner", prompt_ids: list[int], config: GenerationConfig):
+        self.request_id = f"req-{uuid.uuid4().hex}"
+        self.prompt_ids, self.config = prompt_ids, config
+        self.runner = runner
+        self.loop = asyncio.get_running_loop()
+        self.accepted: asyncio.Future = self.loop.create_future()
+        self.queue: asyncio.Queue[Event | Exception] = asyncio.Queue()
+        self.done = False
+        self.in_engine = False  # set by the engine thread once `add` took it
+
+    # called from the engine thread: every hand-over goes through the request's own event loop
+    def _call(self, function, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:  # that loop is closed: nobody is listening any more
+            pass
+
+    def _settle(self, error: Exception | None) -> None:
+        if not self.accepted.done():
+            self.accepted.set_result(None) if error is None else self.accepted.set_exception(error)
+
+    def accept(self) -> None:
+        self._call(self._settle, None)
+
+    def refuse(self, error: Exception) -> None:
+        self._call(self._settle, error)
+
+    def push(self, item: Event | Exception) -> None:
+        self._call(self.queue.put_nowait, item)
+
+    # the handler's side
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        try:
+            while not self.done:
+                item = await self.queue.get()
+                if isinstance(item, Exception):
+                    self.done = True
+                    raise item
+                self.done = item.finished
+                yield item
+        finally:
+            self.cancel()
+
+    async def result(self) -> GenerationResult:
+        """Wait for the whole generation."""
+        async for event in self:
+            if event.finished:
+                return event.result
+        raise RuntimeError("the engine ended a request without a result")
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.runner.cancel(self.request_id)
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, observer: Observer | None = None):
+        self.engine = engine
+        self.observer = observer
+        self._lock = threading.Condition()
+        self._inbox: list[RequestStream | str] = []  # a stream to add, or the id of a request to cancel
+        self._streams: dict[str, RequestStream] = {}  # submitted, not yet finished or cancelled
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="domino-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ----------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished or cancelled: the replica's queue depth."""
+        with self._lock:
+            return len(self._streams)
+
+    async def submit(self, prompt_ids: list[int], config: GenerationConfig) -> RequestStream:
+        """Hand a request to the engine and wait until it is accepted. Bad input raises the engine's
+        error (DominoError) here, before any response is sent."""
+        stream = RequestStream(self, prompt_ids, config)
+        self._post(stream)
+        try:
+            await stream.accepted
+        except BaseException:  # refused, or the client left while waiting
+            stream.cancel()
+            raise
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        self._post(request_id)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join()
+
+    def _post(self, command: RequestStream | str) -> None:
+        with self._lock:
+            if isinstance(command, RequestStream):
+                self._streams[command.request_id] = command
+            self._inbox.append(command)
+            self._lock.notify()
+
+    # -- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while (inbox := self._wait_for_work()) is not None:
+            for command in inbox:
+                self._add(command) if isinstance(command, RequestStream) else self._cancel(command)
+            events = []
+            if self.engine.has_work:
+                try:
+                    events = self.engine.step()
+                except Exception as error:  # a failed forward fails the requests in it, not the replica
+                    self._fail_all(error)
+            for event in events:
+                stream = self._forget(event.request_id) if event.finished else self._streams.get(event.request_id)
+                if stream is not None:
+                    stream.push(event)
+            if self.observer is not None:
+                self.observer.on_step(events, self.in_flight)
+
+    def _wait_for_work(self) -> list[RequestStream | str] | None:
+        """The commands that arrived since the last step; blocks while there is nothing to do."""
+        with self._lock:
+            while not (self._inbox or self.engine.has_work or self._stopping):
+                self._lock.wait()
+            if self._stopping:
+                return None
+            inbox, self._inbox = self._inbox, []
+            return inbox
+
+    def _forget(self, request_id: str) -> RequestStream | None:
+        with self._lock:
+            return self._streams.pop(request_id, None)
+
+    def _add(self, stream: RequestStream) -> None:
+        try:
+            self.engine.add(stream.request_id, stream.prompt_ids, stream.config)
+        except Exception as error:  # DominoError for bad input; anything else is a server error
+            self._forget(stream.request_id)
+            stream.refuse(error)
+            return
+        stream.in_engine = True
+        stream.accept()
+
+    def _cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        if self._forget(request_id) is not None and self.observer is not None:
+            self.observer.on_cancel()
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._lock:
+            streams = [stream for stream in self._streams.values() if stream.in_engine]
+        for stream in streams:
+            self.engine.cancel(stream.request_id)
+            self._forget(stream.request_id)
+            stream.push(error)

@@ -1,0 +1,68 @@
+"""The benchmark harness: metric arithmetic on known traces, a tiny end-to-end run, bad input."""
+
+import json
+
+import pytest
+
+from domino.errors import DominoError
+from domino.requests import GenerationStats
+from pipelines import bench
+from pipelines.benchmarking.methods import Output, make_method
+from pipelines.benchmarking.prompts import load_prompt_set
+from pipelines.benchmarking.report import Row, compare_with_baseline
+
+
+def trace(tokens, seconds, accept_lengths, proposed, accepted, draft=0.0, verify=0.0):
+    stats = GenerationStats(accept_lengths=accept_lengths, proposed=proposed, accepted=accepted,
+                            draft_s=draft, verify_s=verify, total_s=seconds)
+    return Output(tokens, seconds, stats)
+
+
+def test_metric_arithmetic_on_known_traces():
+    plain, fast = Row("autoregressive", "d"), Row("domino", "d")
+    plain.add(trace([1, 2, 3, 4], 4.0, [1, 1, 1], [], []))
+    plain.add(trace([5, 6], 2.0, [1], [], []))
+    # round 1: 3 drafts verified, 2 accepted (commits 3); round 2: 2 verified, 0 accepted (commits 1)
+    fast.add(trace([1, 2, 3, 4, 5], 1.0, [3, 1], [2, 2, 1], [1, 1, 0], draft=0.2, verify=0.5))
+    fast.add(trace([5, 6], 1.0, [1], [1], [0], draft=0.1, verify=0.6))
+    compare_with_baseline({("autoregressive", "d"): plain, ("domino", "d"): fast},
+                          {("autoregressive", "d"): [[1, 2, 3, 4], [5, 6]], ("domino", "d"): [[1, 2, 3, 4, 5], [5, 6]]})
+    assert plain.tokens_per_second == 1.0 and fast.tokens_per_second == 3.5
+    assert fast.speedup == 3.5 and plain.speedup == 1.0
+    assert fast.tau == pytest.approx(5 / 3)
+    assert fast.acceptance == [pytest.approx(1 / 3), 0.5, 0.0]
+    assert fast.other_s == pytest.approx(2.0 - 0.3 - 1.1)
+    assert plain.lossless is True and fast.lossless is False
+
+
+def test_tiny_end_to_end_run(tmp_path, embedded_target):
+    data = tmp_path / "two.jsonl"
+    data.write_text(json.dumps({"turns": ["Say hi.", "Now say bye."]}) + "\n")
+    out = tmp_path / "out"
+    code = bench.main(["--datasets", str(data), "humaneval", "--prompts", "1", "--max-new-tokens", "6",
+                       "--methods", "hf-generate", "oracle", "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["method"], r["dataset"]): r for r in results["rows"]}
+    assert set(rows) == {(m, d) for m in ("autoregressive", "hf-generate", "oracle") for d in ("two", "humaneval")}
+    assert rows[("oracle", "two")]["generations"] == 2  # two turns, answered in turn
+    assert all(r["lossless"] for r in rows.values())
+    assert rows[("oracle", "humaneval")]["tau"] > 1
+    assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
+    assert "| two | oracle |" in (out / "results.md").read_text()
+
+
+def test_bad_input_is_named(tmp_path, embedded_target, capsys):
+    with pytest.raises(DominoError, match="neither an embedded set"):
+        load_prompt_set(str(tmp_path / "missing.jsonl"), 5)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"question": "no turns"}\n')
+    with pytest.raises(DominoError, match=r"bad.jsonl:2: expected a JSON object with a \"turns\" list"):
+        load_prompt_set(str(bad), 5)
+    bad.write_text('{"turns": []}\n')
+    with pytest.raises(DominoError, match="non-empty list"):
+        load_prompt_set(str(bad), 5)
+    with pytest.raises(DominoError, match="unknown method 'beam'"):
+        make_method("beam", embedded_target)
+    assert bench.main(["--datasets", str(tmp_path / "nope.jsonl")]) == 2
+    assert "error: dataset" in capsys.readouterr().err

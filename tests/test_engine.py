@@ -1,0 +1,196 @@
+"""The batched engine: many requests per forward, each with its own lengths, parameters and seeds."""
+
+import itertools
+
+import pytest
+import torch
+
+from domino.engine import DecodingEngine
+from domino.errors import DominoError
+from domino.requests import GenerationConfig
+from domino.scheduler import ConfidenceScheduler, SPSProfile, ThresholdVerify
+from helpers import tiny_drafter, tiny_target
+from test_decoding import NoisyOracle, hf_greedy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def target():
+    target = tiny_target(init_std=0.1)
+    target.model.double()
+    return target
+
+
+def run_batch(engine, requests, join_at=None, cancel=None):
+    """Drive `engine` until done; requests is {id: (prompt, config)}; ids in `join_at` {id: step} join
+    later; `cancel` {id: step} leave. Returns {id: committed tokens}."""
+    join_at, cancel = join_at or {}, cancel or {}
+    got = {rid: [] for rid in requests}
+    step = 0
+    for rid, (prompt, config) in requests.items():
+        if rid not in join_at:
+            engine.add(rid, prompt, config)
+    while engine.has_work or any(s >= step for s in join_at.values()):
+        for rid, at in join_at.items():
+            if at == step:
+                engine.add(rid, *requests[rid])
+        for rid, at in cancel.items():
+            if at == step:
+                engine.cancel(rid)
+        for event in engine.step():
+            got[event.request_id] += event.tokens
+        step += 1
+    return got
+
+
+@pytest.mark.parametrize("drafter", ["domino", "noisy-oracle", "none"])
+def test_batched_greedy_outputs_equal_each_requests_own(target, drafter):
+    prompts = list(random_prompts(7, seed=11))
+    requests = {}
+    for i, prompt in enumerate(prompts):
+        stop = hf_greedy(target, prompt, 30)[5 + 3 * i] if i % 3 == 0 else None  # some stop mid-way
+        config = GenerationConfig(max_new_tokens=12 + 5 * i, stop_token_ids=[stop] if stop is not None else [])
+        requests[f"r{i}"] = (prompt, config)
+    if drafter == "domino":
+        engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=6).double())
+    elif drafter == "noisy-oracle":
+        engine = NoisyOracle(target, "oracle", block_size=6)
+    else:
+        engine = DecodingEngine(target, None)
+    got = run_batch(engine, requests, join_at={"r4": 2, "r5": 3, "r6": 9})
+    for rid, (prompt, config) in requests.items():
+        stop = config.stop_token_ids[0] if config.stop_token_ids else None
+        assert got[rid] == hf_greedy(target, prompt, config.max_new_tokens, stop=stop), rid
+    assert engine.caches is None and not engine.states  # everything retired
+
+
+def test_cancelled_request_does_no_further_work(target):
+    engine = DecodingEngine(target, tiny_drafter(target, head="none").double())
+    prompts = list(random_prompts(2, seed=3))
+    engine.add("keep", prompts[0], GenerationConfig(max_new_tokens=40, stop_token_ids=[]))
+    gone = engine.add("gone", prompts[1], GenerationConfig(max_new_tokens=40, stop_token_ids=[]))
+    engine.step()
+    engine.step()
+    engine.cancel("gone")
+    produced = list(gone.tokens)
+    seen = set()
+    while engine.has_work:
+        seen.update(e.request_id for e in engine.step())
+    assert seen == {"keep"} and gone.tokens == produced and not gone.finished
+
+
+def test_compaction_keeps_outputs_exact(target):
+    """Long generations with many rejections pile up holes; compaction bounds them without changing
+    anything."""
+    engine = NoisyOracle(target, "oracle", block_size=12)
+    prompts = list(random_prompts(3, seed=5))
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", prompt, GenerationConfig(max_new_tokens=120, stop_token_ids=[]))
+    got = {f"r{i}": [] for i in range(3)}
+    saw_holes = False
+    while engine.has_work:
+        for event in engine.step():
+            got[event.request_id] += event.tokens
+        if engine.caches is not None:
+            saw_holes |= not bool(engine.caches.valid.all())
+            assert engine.caches.valid.shape[1] <= 2 * int(engine.caches.positions.max()) + 16
+    assert saw_holes
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(target, prompt, 120)
+
+
+# -- verify-length policies ----------------------------------------------------------------------
+
+LINEAR = SPSProfile(tokens=[1, 1000], seconds=[0.010, 0.010 + 999 * 0.001])  # 10 ms + 1 ms per token
+
+
+def theta(lengths, survive, sps, padded):
+    tau = sum(1 + sum(survive[r][:l]) for r, l in enumerate(lengths))
+    cost = len(lengths) * (1 + max(lengths)) if padded else sum(1 + l for l in lengths)
+    return tau * sps(cost)
+
+
+def test_scheduler_maximises_theta_on_small_cases():
+    torch.manual_seed(0)
+    for trial in range(20):
+        confidence = torch.rand(3, 4) ** 0.3
+        caps = torch.tensor([4, 3, 4])
+        survive = torch.cumprod(confidence.double(), dim=1).tolist()
+        lengths = ConfidenceScheduler(LINEAR, padded=False).lengths(caps, confidence).tolist()
+        best = max(itertools.product(*(range(c + 1) for c in caps.tolist())),
+                   key=lambda ls: theta(ls, survive, LINEAR, False))
+        assert theta(lengths, survive, LINEAR, False) == pytest.approx(theta(best, survive, LINEAR, False)), trial
+
+
+def test_scheduler_admits_by_survival_and_stops_at_the_first_drop():
+    # row 0 is very confident, row 1 hopeless: row 0 gets long drafts, row 1 none
+    confidence = torch.tensor([[0.99, 0.99, 0.99, 0.99], [0.05, 0.9, 0.9, 0.9]])
+    lengths = ConfidenceScheduler(LINEAR, padded=False).lengths(torch.tensor([4, 4]), confidence)
+    assert lengths.tolist() == [4, 0]
+    # a later position with high confidence is never admitted before its weak prefix
+    costly = SPSProfile(tokens=[1, 1000], seconds=[0.010, 0.010 + 999 * 0.004])
+    confidence = torch.tensor([[0.2, 1.0, 1.0, 1.0], [0.9, 0.9, 0.9, 0.9]])
+    assert ConfidenceScheduler(costly, padded=False).lengths(torch.tensor([4, 4]), confidence).tolist() == [0, 3]
+    # first drop: admitting the next position lowers theta, so admission ends even though
+    # a longer draft would win again (a step cost of 10 tokens, then flat)
+    steps = SPSProfile(tokens=[1, 2, 3, 12, 100], seconds=[1.0, 2.0, 2.0, 2.0, 2.0])
+    confidence = torch.tensor([[0.4, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    assert ConfidenceScheduler(steps, padded=False).lengths(torch.tensor([8]), confidence).tolist() == [0]
+
+
+def test_padded_scheduler_tops_rows_up_to_the_longest():
+    """Padded cost 3 * (1 + max l): admitting (0,0) and (2,0) raises theta, (0,1) would lower it. Row 1
+    admitted nothing, but verifying up to the batch's longest length costs nothing more: it gets 1."""
+    confidence = torch.tensor([[0.99, 0.99, 0.99], [0.1, 0.9, 0.9], [0.99, 0.5, 0.1]])
+    lengths = ConfidenceScheduler(LINEAR, padded=True).lengths(torch.tensor([3, 3, 2]), confidence)
+    assert lengths.tolist() == [1, 1, 1]
+    assert ConfidenceScheduler(LINEAR, padded=True).lengths(torch.tensor([3, 0, 2]), confidence).tolist() == [1, 0, 1]
+
+
+def test_threshold_policy_cuts_where_the_prefix_becomes_unlikely():
+    confidence = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.5, 0.9, 0.9, 0.9]])
+    lengths = ThresholdVerify(0.7).lengths(torch.tensor([4, 4]), confidence)
+    assert lengths.tolist() == [3, 0]  # 0.9, 0.81, 0.729 >= 0.7 > 0.656; 0.5 < 0.7
+
+
+@pytest.mark.parametrize("policy", [ConfidenceScheduler(LINEAR), ThresholdVerify(0.5)])
+def test_scheduled_verification_stays_exact(target, policy):
+    drafter = tiny_drafter(target, head="rnn", confidence_head=True, block_size=6).double()
+    engine = DecodingEngine(target, drafter, policy=policy)
+    requests = {f"r{i}": (p, GenerationConfig(max_new_tokens=25, stop_token_ids=[]))
+                for i, p in enumerate(random_prompts(5, seed=2))}
+    got = run_batch(engine, requests, join_at={"r3": 1})
+    for rid, (prompt, config) in requests.items():
+        assert got[rid] == hf_greedy(target, prompt, 25)
+
+
+def test_confidence_policy_needs_a_confidence_head(target):
+    with pytest.raises(DominoError, match="confidence head"):
+        DecodingEngine(target, tiny_drafter(target), policy=ThresholdVerify())
+
+
+def test_gate_stops_drafting_while_it_loses_and_retries_later():
+    from domino.scheduler import SpeculationGate
+
+    gate = SpeculationGate(LINEAR)  # a plain round of 4 rows: 4 tokens in 13 ms, ~308 tokens/s
+    gate.observe(drafted=True, rows=4, committed=8, seconds=0.010)  # 800 tokens/s: drafting wins
+    assert gate.wants_draft() and gate.losses == 0
+    gate.observe(drafted=True, rows=4, committed=5, seconds=0.050)  # 100 tokens/s: loses
+    assert [gate.wants_draft() for _ in range(3)] == [False, False, True]
+    gate.observe(drafted=True, rows=4, committed=5, seconds=0.050)  # loses again: back off longer
+    assert [gate.wants_draft() for _ in range(5)] == [False] * 4 + [True]
+    # plain rounds that run slower than profiled make drafting look better by the same factor
+    gate.observe(drafted=False, rows=4, committed=4, seconds=0.026)
+    assert gate.calibration == pytest.approx(0.75)
+
+
+def test_gated_engine_stays_exact(target):
+    """With the gate closing and opening, outputs stay the target's greedy outputs."""
+    policy = ConfidenceScheduler(SPSProfile(tokens=[1, 1000], seconds=[1e-4, 1e-4 + 999 * 1e-7]))
+    drafter = tiny_drafter(target, head="domino", confidence_head=True, block_size=4).double()
+    engine = DecodingEngine(target, drafter, policy=policy)
+    requests = {f"r{i}": (p, GenerationConfig(max_new_tokens=30, stop_token_ids=[]))
+                for i, p in enumerate(random_prompts(3, seed=9))}
+    got = run_batch(engine, requests)
+    assert policy.gate.losses > 0  # a random drafter loses against a plain round this fast
+    for rid, (prompt, config) in requests.items():
+        assert got[rid] == hf_greedy(target, prompt, 30)

@@ -1,0 +1,109 @@
+"""The engine runner on its own (no Ray): the thread that steps an engine for an asyncio server."""
+
+import asyncio
+
+import pytest
+
+from domino.decoding import GenerationConfig, SpeculativeDecoder
+from domino.engine import DecodingEngine
+from domino.errors import DominoError
+from helpers import tiny_drafter, tiny_target
+from pipelines.serving.runner import EngineRunner
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    target = tiny_target(init_std=0.1)
+    return SpeculativeDecoder(target, tiny_drafter(target, head="domino"))
+
+
+def config(max_new_tokens: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=[])
+
+
+async def wait_until(condition, timeout: float = 5.0) -> bool:
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def test_concurrent_requests_get_their_own_outputs(decoder):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    expected = [decoder.generate(p, config(12 + 5 * i)).tokens for i, p in enumerate(prompts)]
+
+    async def main():
+        runner = EngineRunner(DecodingEngine(decoder.target, decoder.drafter))
+
+        async def one(i: int) -> list[int]:
+            stream = await runner.submit(prompts[i], config(12 + 5 * i))
+            tokens = []
+            async for event in stream:
+                tokens += event.tokens
+            return tokens
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        finally:
+            runner.stop()
+
+    assert asyncio.run(main()) == expected
+
+
+def test_bad_input_is_refused_at_submit_and_the_runner_goes_on(decoder):
+    async def main():
+        runner = EngineRunner(DecodingEngine(decoder.target, decoder.drafter))
+        try:
+            with pytest.raises(DominoError, match="prompt is empty"):
+                await runner.submit([], config(4))
+            result = await (await runner.submit([1, 2], config(4))).result()
+            return result.tokens, runner.in_flight
+        finally:
+            runner.stop()
+
+    tokens, in_flight = asyncio.run(main())
+    assert len(tokens) == 4 and in_flight == 0
+
+
+def test_leaving_the_stream_early_cancels_the_generation(decoder):
+    async def main():
+        runner = EngineRunner(DecodingEngine(decoder.target, decoder.drafter))
+        try:
+            stream = await runner.submit([1, 2, 3], config(900))
+            async for _ in stream:
+                break  # the client went away after its first chunk
+            return await wait_until(lambda: runner.in_flight == 0 and not runner.engine.has_work)
+        finally:
+            runner.stop()
+
+    assert asyncio.run(main())
+
+
+class FailingOnce(DecodingEngine):
+    """Its first step raises, as a forward that runs out of memory would."""
+
+    def __init__(self, decoder):
+        super().__init__(decoder.target, decoder.drafter)
+        self.failed = False
+
+    def step(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("out of memory")
+        return super().step()
+
+
+def test_a_failed_step_fails_its_requests_not_the_runner(decoder):
+    async def main():
+        runner = EngineRunner(FailingOnce(decoder))
+        try:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                await (await runner.submit([1, 2, 3], config(8))).result()
+            result = await (await runner.submit([1, 2, 3], config(8))).result()
+            return result.tokens, runner.alive
+        finally:
+            runner.stop()
+
+    tokens, alive = asyncio.run(main())
+    assert tokens == decoder.generate([1, 2, 3], config(8)).tokens and alive
