@@ -53,7 +53,8 @@ class PipelineConfig(BaseModel):
     data_cpus: float = Field(0.25, gt=0, description="CPUs per read/tokenise task")
 
     # -- drafter --------------------------------------------------------------------------------------
-    draft_layers: int = Field(1, ge=1, description="layers of the drafter backbone (also the number of target layers it reads)")
+    draft_layers: int = Field(1, ge=1, description="layers of the drafter backbone")
+    target_layer_ids: list[int] | None = Field(None, description="target layers whose outputs the drafter reads (default: DFlash's choice, one per draft layer)")
     block_size: int = Field(8, ge=2, description="tokens drafted per round")
     head: str = Field("domino", description=f"sequential head: {', '.join(HEAD_KINDS)}")
     rank: int = Field(64, ge=1, description="rank of the head's logit correction")
@@ -64,6 +65,7 @@ class PipelineConfig(BaseModel):
     num_workers: int = Field(1, ge=1, description="training workers (data parallel, DeepSpeed ZeRO-2)")
     use_gpu: bool = Field(False, description="one GPU per training worker (NCCL); off: CPU and gloo")
     trainer_cpus: float = Field(1, gt=0, description="CPUs per training worker")
+    trainer_gpus: float = Field(1, gt=0, le=1, description="GPUs per training worker with use_gpu (below 1 shares a GPU with feature actors)")
     batch_size: int = Field(2, ge=1, description="sequences per step per worker")
     steps: int = Field(240, ge=1, description="optimiser steps in total")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (cosine schedule)")

@@ -191,7 +191,7 @@ def load_tokenizer(path: str):
 def tokenize_batch(batch: pa.Table, tokenizer_path: str, max_length: int) -> dict[str, list]:
     """Ray Data UDF: every row in, every row out, with `error` empty for rows fit to train on."""
     tokenizer = load_tokenizer(tokenizer_path)
-    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "prompt": [], "error": []}
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "num_tokens": [], "prompt": [], "error": []}
     for row in batch.to_pylist():
         ids, mask, prompt, error = np.zeros(0, np.int32), np.zeros(0, bool), "", ""
         try:
@@ -203,13 +203,14 @@ def tokenize_batch(batch: pa.Table, tokenizer_path: str, max_length: int) -> dic
                 error = TOO_LONG
         except MalformedRow as reason:
             error = str(reason)
-        for key, value in zip(out, (ids, mask, prompt, error)):
+        for key, value in zip(out, (ids, mask, len(ids), prompt, error)):
             out[key].append(value)
     return out
 
 
 def tokenized_conversations(cfg: PipelineConfig, tokenizer_path: str) -> ray.data.Dataset:
-    """Raw rows -> input_ids, loss_mask, prompt (the messages before the first answer, as JSON), error."""
+    """Raw rows -> input_ids, loss_mask, num_tokens, prompt (the messages before the first answer, as
+    JSON), error."""
     return read_conversations(cfg).map_batches(
         tokenize_batch, fn_kwargs={"tokenizer_path": tokenizer_path, "max_length": cfg.max_length},
         batch_format="pyarrow", batch_size=64, num_cpus=cfg.data_cpus)
@@ -219,39 +220,44 @@ def tokenized_conversations(cfg: PipelineConfig, tokenizer_path: str) -> ray.dat
 @dataclass
 class Survey:
     rows: int = 0
-    usable: int = 0
+    trainable: int = 0  # usable rows that train
+    tokens: int = 0  # their tokens: one epoch
+    held_rows: int = 0  # usable rows whose prompt is held out for evaluation
     too_long: int = 0
     malformed: Counter = field(default_factory=Counter)
-    held_out: list[str] = field(default_factory=list)  # prompts (JSON messages) kept for evaluation
+    held_out: list[str] = field(default_factory=list)  # the held-out prompts (JSON messages)
 
     def summary(self) -> str:
         reasons = ", ".join(f"{reason}: {count}" for reason, count in self.malformed.most_common(3))
-        return (f"{self.rows} rows: {self.usable} usable ({len(self.held_out)} held out for evaluation), "
-                f"{self.too_long} with no response within max_length, {sum(self.malformed.values())} malformed"
-                + (f" ({reasons})" if reasons else ""))
+        return (f"{self.rows} rows: {self.trainable} to train on ({self.tokens} tokens), {self.held_rows} held out "
+                f"for evaluation, {self.too_long} with no response within max_length, "
+                f"{sum(self.malformed.values())} malformed" + (f" ({reasons})" if reasons else ""))
 
 
 def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig) -> Survey:
-    """Count usable, too-long and malformed rows, and pick the first `eval_prompts` distinct usable
-    prompts to hold out. Only the small `error` and `prompt` columns come back to the driver."""
+    """Count the rows by fate and hold out the first `eval_prompts` distinct usable prompts (with every
+    row that shares them). Only the small columns come back to the driver."""
     result = Survey()
     try:
-        batches = list(tokenized.select_columns(["error", "prompt"]).iter_batches(batch_format="numpy"))
+        batches = list(tokenized.select_columns(["error", "prompt", "num_tokens"]).iter_batches(batch_format="numpy"))
     except DominoError:
         raise
     except Exception as error:  # a file Ray Data cannot read or decode: say which, in one line
         raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
     for batch in batches:
-        for error, prompt in zip(batch["error"], batch["prompt"]):
+        for error, prompt, tokens in zip(batch["error"], batch["prompt"], batch["num_tokens"]):
             result.rows += 1
             if error == TOO_LONG:
                 result.too_long += 1
             elif error:
                 result.malformed[str(error)] += 1
-            else:
-                result.usable += 1
-                if len(result.held_out) < cfg.eval_prompts and prompt not in result.held_out:
+            elif prompt in result.held_out or len(result.held_out) < cfg.eval_prompts:
+                result.held_rows += 1
+                if prompt not in result.held_out:
                     result.held_out.append(str(prompt))
+            else:
+                result.trainable += 1
+                result.tokens += int(tokens)
     return result
 
 
@@ -263,10 +269,9 @@ def check_survey(result: Survey, cfg: PipelineConfig) -> None:
     if malformed > cfg.max_malformed_fraction * result.rows:
         raise DominoError(f"{malformed} of {result.rows} rows of {cfg.data} are malformed, more than "
                           f"max_malformed_fraction={cfg.max_malformed_fraction}: {result.summary()}")
-    trainable = result.usable - len(result.held_out)
     needed = cfg.num_workers * cfg.batch_size
-    if trainable < needed:
-        raise DominoError(f"{cfg.data} has {trainable} usable training conversations, fewer than one batch for "
+    if result.trainable < needed:
+        raise DominoError(f"{cfg.data} has {result.trainable} conversations to train on, fewer than one batch for "
                           f"every worker ({cfg.num_workers} x batch_size {cfg.batch_size}): {result.summary()}")
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
+from domino.errors import DominoError
+
 RAY_ADVICE = ("Failed to ", "To change retry attempts")  # notes Ray Data appends to the errors it retried
 
 
@@ -21,3 +26,14 @@ def root_cause(error: BaseException) -> str:
     if domino:
         return domino[-1].split("DominoError:", 1)[1].strip()
     return lines[-1] if lines else type(error).__name__
+
+
+def exit_status(command: Callable[[], object]) -> int:
+    """Run a command line's body: bad input (a DominoError) becomes one line on stderr and exit status 2,
+    never a traceback."""
+    try:
+        command()
+    except DominoError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -57,7 +57,7 @@ class Regenerate(TargetActor):
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         prompts = [self.target.encode_prompt(json.loads(p)) for p in batch["prompt"]]
         prompts = [p for p in prompts if len(p) < self.max_length]
-        out: dict[str, list] = {"input_ids": [], "loss_mask": []}
+        out: dict[str, list] = {"input_ids": [], "loss_mask": [], "num_tokens": []}
         if not prompts:
             return out
         width = max(map(len, prompts))
@@ -77,6 +77,7 @@ class Regenerate(TargetActor):
             answer = answer if stop is None else answer[: stop + 1]
             out["input_ids"].append(np.asarray(prompt + answer, dtype=np.int32))
             out["loss_mask"].append(np.asarray([False] * len(prompt) + [True] * len(answer)))
+            out["num_tokens"].append(len(prompt) + len(answer))
         return out
 
 

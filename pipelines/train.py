@@ -33,8 +33,8 @@ from domino.errors import DominoError  # noqa: E402
 from domino.target import Target, check_causal_lm, resolve_target  # noqa: E402
 from pipelines import checkpoints  # noqa: E402
 from pipelines.config import PipelineConfig, help_text, parse_args  # noqa: E402
-from pipelines.errors import root_cause  # noqa: E402
 from pipelines.data import check_survey, survey, tokenized_conversations, training_rows  # noqa: E402
+from pipelines.errors import exit_status, root_cause  # noqa: E402
 from pipelines.evaluate import evaluate, format_table  # noqa: E402
 from pipelines.features import regenerated, with_features  # noqa: E402
 from pipelines.trainer import drafter_config, fit  # noqa: E402
@@ -64,7 +64,9 @@ def shape_only_target(path: str, name: str) -> Target:
 
 
 def run(cfg: PipelineConfig) -> dict:
-    """Run the whole job; return the final training metrics and, when measured, the tau table rows."""
+    """Run the whole job. Returns what it measured: `drafter` (its config), `checkpoint` (the newest,
+    a RunState), `epoch_tokens` (tokens in one pass over the training sequences), and when they were
+    produced, `metrics` (the last training report) and `tau` (the evaluation table's rows)."""
     connect()
     target_path = resolve_target(cfg.target)
     drafter = drafter_config(cfg, shape_only_target(target_path, cfg.target))
@@ -77,7 +79,7 @@ def run(cfg: PipelineConfig) -> dict:
     print(f"[data] {cfg.data}: {found.summary()}", flush=True)
     check_survey(found, cfg)
 
-    outcome: dict = {}
+    outcome: dict = {"drafter": drafter, "epoch_tokens": found.tokens}
     if state is not None and state.step >= cfg.steps:
         print(f"[train] run '{cfg.run_name}' is already trained to step {state.step}: nothing to train", flush=True)
     else:
@@ -85,7 +87,9 @@ def run(cfg: PipelineConfig) -> dict:
         if cfg.regenerate:
             start = time.perf_counter()
             rows = regenerated(rows, cfg, target_path).materialize()  # token ids only, kept in memory
-            print(f"[regenerate] {rows.count()} answers by the target in {time.perf_counter() - start:.0f} s", flush=True)
+            outcome["epoch_tokens"] = rows.sum("num_tokens")
+            print(f"[regenerate] {rows.count()} answers by the target ({outcome['epoch_tokens']} tokens with their "
+                  f"prompts) in {time.perf_counter() - start:.0f} s", flush=True)
         stream = with_features(rows, cfg, target_path, drafter.target_layer_ids)
         try:
             result = fit(cfg, stream, target_path)
@@ -95,6 +99,7 @@ def run(cfg: PipelineConfig) -> dict:
             raise DominoError(f"training failed: {root_cause(error)} ({kept})") from None
         outcome["metrics"] = result.metrics
         state = checkpoints.latest(cfg)
+    outcome["checkpoint"] = state
     print(f"[train] drafter exported to {state.drafter_uri}", flush=True)
 
     if found.held_out:
@@ -111,12 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         print(help_text())
         return 0
-    try:
-        run(parse_args(argv))
-    except DominoError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":

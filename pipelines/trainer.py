@@ -31,8 +31,9 @@ from pipelines.features import from_numpy, torch_threads
 
 
 def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
-    return DrafterConfig.for_target(target, num_layers=cfg.draft_layers, block_size=cfg.block_size, head=cfg.head,
-                                    rank=cfg.rank, confidence_head=cfg.confidence_head)
+    return DrafterConfig.for_target(target, num_layers=cfg.draft_layers, layer_ids=cfg.target_layer_ids,
+                                    block_size=cfg.block_size, head=cfg.head, rank=cfg.rank,
+                                    confidence_head=cfg.confidence_head)
 
 
 def train_config(cfg: PipelineConfig) -> TrainConfig:
@@ -211,7 +212,7 @@ def train_worker(config: dict) -> None:
 
 
 def fit(cfg: PipelineConfig, dataset: ray.data.Dataset, target_path: str) -> ray.train.Result:
-    resources = {"CPU": cfg.trainer_cpus, **({"GPU": 1} if cfg.use_gpu else {})}
+    resources = {"CPU": cfg.trainer_cpus, **({"GPU": cfg.trainer_gpus} if cfg.use_gpu else {})}
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"cfg": cfg.model_dump(), "deepspeed": cfg.deepspeed(), "target_path": target_path},

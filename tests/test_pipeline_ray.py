@@ -124,7 +124,7 @@ def submitted(cluster, inputs, tmp_path_factory):
 def test_job_trains_two_zero2_workers_through_a_killed_worker(submitted, inputs):
     logs = submitted["logs"]
     assert submitted["rc"] == 0 and "succeeded" in logs, logs[-3000:]
-    assert "[regenerate] 40 answers by the target" in logs
+    assert "[regenerate] 40 answers by the target (" in logs
     assert "fault injection: worker 1 dies at step 6" in logs
     assert "2 worker(s)" in logs and "resuming at step 4" in logs
     assert "[train] step 12/12" in logs and "data wait [" in logs
@@ -174,7 +174,7 @@ def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
     (lambda d: write_jsonl(d / "bad.jsonl", ["{oops"] * 3 + [conversation(0)] * 5),
      r"3 of 8 rows of .* are malformed, more than max_malformed_fraction=0.1: .*not valid JSON: 3"),
     (lambda d: write_jsonl(d / "few.jsonl", [conversation(0), conversation(1)]),
-     "has 2 usable training conversations, fewer than one batch for every worker"),
+     "has 2 conversations to train on, fewer than one batch for every worker"),
     (lambda d: write_bytes(d / "broken.parquet", b"not parquet at all"),
      "cannot read .*broken.parquet: .*Parquet magic bytes not found"),
     (lambda d: write_bytes(d / "latin1.jsonl", '{"messages": "caf\xe9"}\n'.encode("latin-1")),

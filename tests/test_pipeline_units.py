@@ -132,3 +132,33 @@ def test_features_travel_as_numpy_and_pad_into_batches(dtype):
     assert torch.allclose(out["features"][0, :3].float(), features[0], atol=tolerance, rtol=tolerance)
     assert (out["features"][0, 3:] == 0).all()
     assert from_numpy(to_numpy(features[1], dtype), dtype).dtype == getattr(torch, dtype)
+
+
+def test_gpu_check_parses_its_arguments_into_a_valid_config(tmp_path):
+    from pipelines.benchmarks.gpu_check import SHAPES, arguments, pipeline_config
+
+    args, overrides = arguments(["--shape", "1.7b", "--steps", "20", "lr=1e-4"])
+    cfg = pipeline_config(args, "/models/qwen3-random", str(tmp_path), overrides)
+    assert args.shape in SHAPES and cfg.steps == cfg.checkpoint_every == 20 and cfg.lr == 1e-4
+    assert cfg.use_gpu and cfg.feature_gpus + cfg.trainer_gpus == 1 and cfg.draft_layers == 5
+    with pytest.raises(DominoError, match="unknown config key 'stepz'"):
+        pipeline_config(args, "/models/qwen3-random", str(tmp_path), ["stepz=3"])
+
+
+def test_benchmark_report_counts_the_cache_it_avoided_and_what_was_written(tmp_path):
+    from domino.config import DrafterConfig
+    from pipelines.benchmarks.pipeline import cache_bytes_per_token, report
+
+    cfg = parse_args([f"storage_path={tmp_path}", "run_name=r"])
+    drafter = DrafterConfig(target_hidden_size=576, target_vocab_size=49152, target_num_layers=30,
+                            target_layer_ids=[15], mask_token_id=0)
+    assert cache_bytes_per_token(cfg, drafter) == 576 * 2 + 5  # bf16 features, int32 id, mask flag
+    (tmp_path / "r" / "step_000001").mkdir(parents=True)
+    (tmp_path / "r" / "step_000001" / "weights").write_bytes(b"x" * 2**20)
+    metrics = {"run_feature_tokens_per_s": 300.0, "run_train_tokens_per_s": 150.0, "run_data_wait": [0.05],
+               "run_tokens": 1000.0, "first_batch_s": 12.0}
+    text = report(cfg, {"metrics": metrics, "drafter": drafter, "epoch_tokens": 2**20}, 600)
+    assert "| producer capacity / trainer demand | 2.00 |" in text
+    assert "| data wait per trainer (share of wall time after the first batch) | 5.0% |" in text
+    assert "| offline cache for one epoch (1048576 tokens) | 1.13 GiB |" in text
+    assert "| written by the run: checkpoints in storage_path | 1.0 MiB |" in text
