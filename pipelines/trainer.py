@@ -1,0 +1,224 @@
+"""Ray Train + DeepSpeed: each worker runs domino's training loop on its shard of the feature stream.
+
+The loop is `domino.training.train`, unchanged; the worker hands it DeepSpeed's engine as the objective,
+DeepSpeed's backward + step as the optimiser step, and a feed that pads the streamed sequences into
+batches and times how long the trainer waits for them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.data.collate_fn import NumpyBatchCollateFn
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from transformers import get_cosine_schedule_with_warmup
+
+from domino.config import DrafterConfig
+from domino.drafter import Drafter
+from domino.errors import DominoError
+from domino.objective import DraftingObjective, ObjectiveConfig
+from domino.target import Target
+from domino.training import TrainConfig, train
+from pipelines import checkpoints
+from pipelines.config import PipelineConfig
+from pipelines.features import from_numpy, torch_threads
+
+
+def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
+    return DrafterConfig.for_target(target, num_layers=cfg.draft_layers, layer_ids=cfg.target_layer_ids,
+                                    block_size=cfg.block_size, head=cfg.head, rank=cfg.rank,
+                                    confidence_head=cfg.confidence_head)
+
+
+def train_config(cfg: PipelineConfig) -> TrainConfig:
+    return TrainConfig(steps=cfg.steps, lr=cfg.lr, warmup_fraction=cfg.warmup_fraction, weight_decay=cfg.weight_decay,
+                       grad_clip=cfg.grad_clip, seed=cfg.seed, objective=ObjectiveConfig(
+                           anchors_per_sequence=cfg.anchors_per_sequence, curriculum_fraction=cfg.curriculum_fraction,
+                           distill=cfg.distill))
+
+
+class PadCollate(NumpyBatchCollateFn):
+    """Ragged sequences from the stream -> right-padded tensors, plus their lengths."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype  # the feature transport dtype
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        lengths = [len(ids) for ids in batch["input_ids"]]
+        b, t = len(lengths), max(lengths)
+        out = {"lengths": torch.tensor(lengths), "input_ids": torch.zeros(b, t, dtype=torch.long),
+               "loss_mask": torch.zeros(b, t, dtype=torch.bool),
+               "target_seconds": torch.tensor(float(np.sum(batch["target_seconds"])))}
+        for i, n in enumerate(lengths):
+            out["input_ids"][i, :n] = torch.from_numpy(np.asarray(batch["input_ids"][i], dtype=np.int64))
+            out["loss_mask"][i, :n] = torch.from_numpy(np.asarray(batch["loss_mask"][i], dtype=bool))
+        for key in ("features", "final_hidden"):
+            if key in batch:
+                rows = [from_numpy(a, self.dtype) for a in batch[key]]
+                out[key] = torch.zeros(b, t, rows[0].shape[-1], dtype=rows[0].dtype)
+                for i, row in enumerate(rows):
+                    out[key][i, : lengths[i]] = row
+        return out
+
+
+class Feed:
+    """This worker's batches, epoch after epoch (each epoch recomputes the features: nothing is cached),
+    with counters for the progress line. The counters start at the first batch, so the pipeline's
+    start-up (actors loading the target) is reported apart from the steady-state wait."""
+
+    def __init__(self, shard, cfg: PipelineConfig, device: torch.device):
+        self.shard, self.device = shard, device
+        self.collate = PadCollate(cfg.feature_dtype)
+        self.batch_size = cfg.batch_size
+        self.batches = self._epoch()
+        self.created = time.perf_counter()
+        self.started: float | None = None  # when the first batch arrived
+        self.tokens = self.target_seconds = self.wait = 0.0
+
+    def _epoch(self):
+        return iter(self.shard.iter_torch_batches(batch_size=self.batch_size, collate_fn=self.collate,
+                                                  drop_last=True, prefetch_batches=2))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        batch = next(self.batches, None)
+        if batch is None:
+            self.batches = self._epoch()
+            batch = next(self.batches, None)
+            if batch is None:
+                raise DominoError("an epoch of the data gave this worker no batch: give more data or a smaller batch_size")
+        now = time.perf_counter()
+        target_seconds = float(batch.pop("target_seconds"))
+        if self.started is None:
+            self.started = now
+        else:
+            self.wait += now - start
+            self.tokens += float(batch["lengths"].sum())
+            self.target_seconds += target_seconds
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+
+FAULT_DELAY_S = 5.0
+
+# What each worker contributes at a log step: the window since the last log, then the whole run so far.
+FIELDS = ("loss", "tokens", "target_s", "wait", "elapsed", "run_tokens", "run_target_s", "run_wait", "run_elapsed")
+
+
+class Progress:
+    """Gathers every worker's counters at each log step; rank 0 prints the progress line. Returns the
+    metrics reported with checkpoints: windowed and whole-run tokens/s and data-wait fractions."""
+
+    def __init__(self, cfg: PipelineConfig, feed: Feed, device: torch.device):
+        self.cfg, self.feed, self.device = cfg, feed, device
+        self.last = {"tokens": 0.0, "target_s": 0.0, "wait": 0.0, "time": None}
+
+    def __call__(self, step: int, summary: dict) -> dict:
+        feed, last, now = self.feed, self.last, time.perf_counter()
+        window_start = last["time"] or feed.started
+        mine = {"loss": summary["loss"], "tokens": feed.tokens - last["tokens"],
+                "target_s": feed.target_seconds - last["target_s"], "wait": feed.wait - last["wait"],
+                "elapsed": now - window_start, "run_tokens": feed.tokens, "run_target_s": feed.target_seconds,
+                "run_wait": feed.wait, "run_elapsed": now - feed.started}
+        self.last = {"tokens": feed.tokens, "target_s": feed.target_seconds, "wait": feed.wait, "time": now}
+        row = torch.tensor([mine[f] for f in FIELDS] + list(summary["accuracy"]), dtype=torch.float64, device=self.device)
+        rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row)
+        table = torch.stack(rows).cpu()
+        every = dict(zip(FIELDS, table[:, : len(FIELDS)].T))  # field -> one value per worker
+        accuracy = table[:, len(FIELDS):].mean(0)
+
+        def rate(tokens, seconds):
+            return float(tokens.sum() / max(float(seconds), 1e-9))
+
+        metrics = {
+            "step": step, "loss": float(every["loss"].mean()), "accuracy": [round(float(a), 4) for a in accuracy],
+            "tau_estimate": 1.0 + float(torch.cumprod(accuracy, 0).sum()),
+            "train_tokens_per_s": rate(every["tokens"], every["elapsed"].max()),
+            "feature_tokens_per_s": rate(every["tokens"], every["target_s"].sum()),
+            "data_wait": [round(float(w / max(float(e), 1e-9)), 4) for w, e in zip(every["wait"], every["elapsed"])],
+            "run_tokens": float(every["run_tokens"].sum()),
+            "run_train_tokens_per_s": rate(every["run_tokens"], every["run_elapsed"].max()),
+            "run_feature_tokens_per_s": rate(every["run_tokens"], every["run_target_s"].sum()),
+            "run_data_wait": [round(float(w / max(float(e), 1e-9)), 4) for w, e in zip(every["run_wait"], every["run_elapsed"])],
+            "first_batch_s": round(feed.started - feed.created, 2),
+        }
+        if dist.get_rank() == 0:
+            print(format_progress(metrics, self.cfg.steps), flush=True)
+        return metrics
+
+
+def format_progress(m: dict, steps: int) -> str:
+    accuracy = " ".join(f"{a:.2f}" for a in m["accuracy"])
+    wait = " ".join(f"{w:.0%}" for w in m["data_wait"])
+    return (f"[train] step {m['step']}/{steps}  loss {m['loss']:.3f}  acc/pos [{accuracy}]  tau~{m['tau_estimate']:.2f}  "
+            f"train {m['train_tokens_per_s']:.0f} tok/s  features {m['feature_tokens_per_s']:.0f} tok/s per actor  "
+            f"data wait [{wait}]")
+
+
+def train_worker(config: dict) -> None:
+    """The function every Ray Train worker runs."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # its C++ build takes minutes; gloo is enough
+    cfg = PipelineConfig(**config["cfg"])
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.set_num_threads(torch_threads(cfg.trainer_cpus))
+    device = ray.train.torch.get_device()
+
+    target = Target.load(config["target_path"], device=device)
+    torch.manual_seed(cfg.seed)
+    drafter = Drafter(drafter_config(cfg, target), target.embed_tokens, target.lm_head)
+    tc = train_config(cfg)
+    objective = DraftingObjective(drafter, tc.objective, seed=cfg.seed + rank)
+    engine, *_ = deepspeed.initialize(
+        model=objective, model_parameters=[p for p in objective.parameters() if p.requires_grad],
+        config=config["deepspeed"],
+        lr_scheduler=lambda optimizer: get_cosine_schedule_with_warmup(optimizer, int(tc.warmup_fraction * tc.steps), tc.steps))
+    start_step = checkpoints.restore(engine)
+    if rank == 0:
+        print(f"[train] {world} worker(s), {sum(p.numel() for p in objective.parameters())/1e6:.2f} M drafter parameters, "
+              + (f"resuming at step {start_step}" if start_step else "starting at step 0"), flush=True)
+
+    def step(loss: torch.Tensor) -> None:
+        engine.backward(loss)
+        engine.step()
+        if cfg.fail_at_step and start_step == 0 and engine.global_steps == cfg.fail_at_step and rank == world - 1:
+            # Ray Train collects reported checkpoints by polling every few seconds; tiny test steps are
+            # faster than that, so wait as a real run's steps would before the crash
+            time.sleep(FAULT_DELAY_S)
+            print(f"[train] fault injection: worker {rank} dies at step {engine.global_steps}", flush=True)
+            os._exit(1)
+
+    feed = Feed(ray.train.get_dataset_shard("train"), cfg, device)
+    progress = Progress(cfg, feed, device)
+
+    def on_log(done: int, summary: dict) -> None:
+        metrics = progress(done, summary)
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            with checkpoints.saved(engine, drafter, done, rank, world) as checkpoint:
+                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoints.step_dir_name(done))
+
+    train(engine, feed, tc, step=step, start_step=start_step, log_every=cfg.log_every, on_log=on_log, progress=False)
+
+
+def fit(cfg: PipelineConfig, dataset: ray.data.Dataset, target_path: str) -> ray.train.Result:
+    resources = {"CPU": cfg.trainer_cpus, **({"GPU": cfg.trainer_gpus} if cfg.use_gpu else {})}
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"cfg": cfg.model_dump(), "deepspeed": cfg.deepspeed(), "target_path": target_path},
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(name=cfg.run_name, storage_path=cfg.storage_uri,
+                             failure_config=FailureConfig(max_failures=cfg.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints)),
+        datasets={"train": dataset})
+    return trainer.fit()

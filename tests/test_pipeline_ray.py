@@ -1,0 +1,204 @@
+"""The training pipeline end to end on a real Ray cluster that the tests start (`ray start --head`) and
+stop, with a tiny chat target: submitted with `ray job submit`, Ray Data feature actors stream into 2
+DeepSpeed ZeRO-2 trainers over gloo, a worker is killed mid-run and the run finishes from its
+checkpoint; bad input is stopped with one clear line before any work and never costs a checkpoint."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from domino.drafter import Drafter
+from domino.errors import DominoError
+from domino.target import Target
+from pipelines.checkpoints import TEMP_PREFIX
+from pipelines.config import build_config
+from pipelines.train import main, run
+from pipeline_helpers import conversation, save_tiny_chat_target, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+# what a feature or array cache would leave behind
+ARRAY_SUFFIXES = {".npy", ".npz", ".parquet", ".arrow", ".feather", ".pt", ".safetensors", ".bin"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "ray start --head exited"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A `ray start --head` cluster of our own (own ports, own temp dirs), stopped by its PID. Token auth is
+    off: this process imported Ray before the cluster existed and cannot turn it on for an explicit address. TMPDIR points its processes at a folder the tests inspect. The root
+    is short: Ray's socket paths under it must fit in 107 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="domino-", dir="/tmp"))
+    (root / "tmp").mkdir()
+    ports = {name: free_port() for name in ("port", "dashboard-port", "ray-client-server-port", "node-manager-port",
+                                            "object-manager-port", "metrics-export-port", "runtime-env-agent-port",
+                                            "dashboard-agent-listen-port", "dashboard-agent-grpc-port")}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TMPDIR": str(root / "tmp"),
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once when the tests end
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+         "--include-dashboard=true", f"--temp-dir={root / 'ray'}", "--disable-usage-stats", "--block",
+         *(f"--{name}={port}" for name, port in ports.items())],
+        env=env, stdout=(root / "head.log").open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(ports["port"], head)
+        wait_for_port(ports["dashboard-port"], head)
+        ray.init(address=f"127.0.0.1:{ports['port']}", logging_level="warning")
+        yield {"root": root, "env": env, "dashboard": f"http://127.0.0.1:{ports['dashboard-port']}"}
+    finally:
+        ray.shutdown()
+        head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops everything it started
+        head.wait(timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, embedded_target):
+    root = tmp_path_factory.mktemp("inputs")
+    rows = [conversation(i, "sharegpt" if i % 2 else "openai") for i in range(40)] + ["{not json", '{"foo": 1}']
+    return {"target": str(save_tiny_chat_target(root / "target")),
+            "data": str(write_jsonl(root / "chats.jsonl", rows)), "root": root}
+
+
+def settings(inputs, storage, **overrides) -> dict:
+    """A small run: 2 ZeRO-2 workers, 12 steps, checkpoints every 4."""
+    values = dict(target=inputs["target"], data=inputs["data"], storage_path=str(storage), run_name="tiny",
+                  max_conversations=0, max_length=64, max_malformed_fraction=0.1, eval_prompts=0,
+                  regenerate=False, regenerate_tokens=12, regenerate_actors=1, regenerate_batch_size=8,
+                  feature_cpus=0.5, data_cpus=0.25, num_workers=2, batch_size=2, anchors_per_sequence=4,
+                  rank=8, block_size=4, steps=12, lr=3e-3, log_every=2, checkpoint_every=4, max_failures=1)
+    return {**values, **overrides}
+
+
+def config(inputs, storage, **overrides):
+    return build_config(settings(inputs, storage, **overrides))
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def files_under(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.fixture(scope="module")
+def submitted(cluster, inputs, tmp_path_factory):
+    """The main job through `ray job submit`: regenerated answers -> features on an actor pool -> 2 ZeRO-2
+    workers over gloo; the last worker dies at step 6 and the group restarts from the step-4 checkpoint."""
+    storage = tmp_path_factory.mktemp("storage")
+    values = settings(inputs, storage, regenerate=True, fail_at_step=6)
+    command = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", cluster["dashboard"],
+               "--working-dir", str(REPO), "--", "python", "pipelines/train.py", *(f"{k}={v}" for k, v in values.items())]
+    done = subprocess.run(command, env=cluster["env"], capture_output=True, text=True, timeout=900)
+    return {"logs": done.stdout + done.stderr, "rc": done.returncode, "run_dir": storage / "tiny", "storage": storage}
+
+
+def test_job_trains_two_zero2_workers_through_a_killed_worker(submitted, inputs):
+    logs = submitted["logs"]
+    assert submitted["rc"] == 0 and "succeeded" in logs, logs[-3000:]
+    assert "[regenerate] 40 answers by the target (" in logs
+    assert "fault injection: worker 1 dies at step 6" in logs
+    assert "2 worker(s)" in logs and "resuming at step 4" in logs
+    assert "[train] step 12/12" in logs and "data wait [" in logs
+
+    run_dir = submitted["run_dir"]
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["step_000008", "step_000012"]  # keep 2
+    last = run_dir / "step_000012"
+    state = json.loads((last / "state.json").read_text())
+    # the DeepSpeed engine resumed its own step count too: 4 before the fault + 8 after it
+    assert state["step"] == state["optimizer_steps"] == 12 and state["world_size"] == 2
+    shards = {p.name for p in (last / "deepspeed").iterdir()}
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= shards
+    drafter = Drafter.from_pretrained(last / "drafter", Target.load(inputs["target"]))
+    assert drafter.config.block_size == 4
+
+
+def test_nothing_but_checkpoints_is_written(submitted, cluster):
+    run_dir = submitted["run_dir"]
+    # outside the checkpoint folders, storage holds only Ray Train's small run records
+    for path in files_under(run_dir):
+        if not path.relative_to(run_dir).parts[0].startswith("step_"):
+            assert path.suffix not in ARRAY_SUFFIXES and path.stat().st_size < 64_000, path
+    # no feature arrays, spilled objects or checkpoint staging folders in the cluster's temp dirs
+    leftovers = [p for p in files_under(cluster["root"])
+                 if p.suffix in ARRAY_SUFFIXES or "spill" in p.name or TEMP_PREFIX in str(p)]
+    assert leftovers == []
+
+
+def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
+    run_dir, storage = submitted["run_dir"], submitted["storage"]
+    before = {p: p.stat().st_mtime for p in files_under(run_dir)}
+    # the same run again: already trained, nothing is redone
+    assert "metrics" not in run(config(inputs, storage, regenerate=True))
+    assert "already trained to step 12" in capfd.readouterr().out
+    # another drafter under the same name is refused before any work, and so is bad data
+    with pytest.raises(DominoError, match=r"trained another drafter \(block_size 4 -> 6\)"):
+        run(config(inputs, storage, block_size=6))
+    with pytest.raises(DominoError, match="was trained by 2 workers"):
+        run(config(inputs, storage, num_workers=1))
+    with pytest.raises(DominoError, match="does not exist"):
+        run(config(inputs, storage, data=str(storage / "missing.jsonl")))
+    assert {p: p.stat().st_mtime for p in files_under(run_dir)} == before
+
+
+@pytest.mark.parametrize("make_data, message", [
+    (lambda d: write_jsonl(d / "empty.jsonl", []), "is empty"),
+    (lambda d: write_jsonl(d / "bad.jsonl", ["{oops"] * 3 + [conversation(0)] * 5),
+     r"3 of 8 rows of .* are malformed, more than max_malformed_fraction=0.1: .*not valid JSON: 3"),
+    (lambda d: write_jsonl(d / "few.jsonl", [conversation(0), conversation(1)]),
+     "has 2 conversations to train on, fewer than one batch for every worker"),
+    (lambda d: write_bytes(d / "broken.parquet", b"not parquet at all"),
+     "cannot read .*broken.parquet: .*Parquet magic bytes not found"),
+    (lambda d: write_bytes(d / "latin1.jsonl", '{"messages": "caf\xe9"}\n'.encode("latin-1")),
+     r"cannot read .*latin1.jsonl: not UTF-8 text \(invalid continuation byte at byte 17\)"),
+])
+def test_bad_data_stops_before_training(cluster, inputs, tmp_path, make_data, message):
+    data = make_data(tmp_path)
+    with pytest.raises(DominoError, match=message) as error:
+        run(config(inputs, tmp_path / "runs", data=str(data)))
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
+def test_unreadable_data_is_named(cluster, inputs, tmp_path):
+    path = write_jsonl(tmp_path / "secret.jsonl", [conversation(0)])
+    path.chmod(0)
+    with pytest.raises(DominoError, match="cannot read .*secret.jsonl: permission denied"):
+        run(config(inputs, tmp_path / "runs", data=str(path)))
+
+
+def test_command_line_errors_are_one_line_without_traceback(capsys):
+    assert main(["stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: unknown config key 'stepz' (did you mean 'steps'?)\n"
+    assert main(["--help"]) == 0
+    assert "checkpoint_every = 60" in capsys.readouterr().out

@@ -1,0 +1,164 @@
+"""The pipeline's pieces that need no cluster: config parsing, row normalisation, tokenisation with
+assistant-only loss masks, feature transport and the padding collate."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from domino.errors import DominoError
+from domino.target import cache_dir
+from pipelines.config import PipelineConfig, parse_args
+from pipelines.data import TOO_LONG, MalformedRow, embedded_sharegpt, list_files, to_messages, tokenize_batch
+from pipelines.features import from_numpy, to_numpy
+from pipelines.trainer import PadCollate
+from pipeline_helpers import conversation, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(embedded_target):
+    return str(cache_dir() / "smollm2-135m")
+
+
+def test_config_defaults_overrides_and_files(tmp_path):
+    assert parse_args([]) == PipelineConfig()
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 50\nrun_name: from-file\nlr: 1e-3\n")
+    cfg = parse_args(["--config", str(path), "steps=7", "regenerate=false", "storage_path=s3://bucket/runs/"])
+    assert (cfg.steps, cfg.run_name, cfg.lr, cfg.regenerate) == (7, "from-file", 1e-3, False)
+    assert cfg.storage_uri == "s3://bucket/runs"
+    assert parse_args(["storage_path=~/x"]).storage_uri.endswith("/x")
+    ds = cfg.deepspeed()
+    assert ds["zero_optimization"]["stage"] == 2 and ds["train_micro_batch_size_per_gpu"] == cfg.batch_size
+    assert ds["optimizer"]["params"]["lr"] == 1e-3 and ds["optimizer"]["params"]["torch_adam"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["stepz=3"], "unknown config key 'stepz' (did you mean 'steps'?)"),
+    (["steps=0"], "steps: Input should be greater than or equal to 1"),
+    (["steps=abc"], "steps: Input should be a valid integer"),
+    (["head=lstm"], "head must be one of none, domino, markov, rnn"),
+    (["log_every=7", "checkpoint_every=10"], "checkpoint_every (10) must be a multiple of log_every (7)"),
+    (["fail_at_step=500", "steps=100"], "fail_at_step (500) must be below steps (100)"),
+    (["steps"], "expected key=value or --config FILE, got 'steps'"),
+    (["--config", "/nonexistent/run.yaml"], "cannot read config file /nonexistent/run.yaml"),
+    (["deepspeed_config=/nonexistent.json"], None),  # checked when the DeepSpeed config is read
+])
+def test_bad_config_is_one_clear_line(args, message):
+    if message is None:
+        with pytest.raises(DominoError, match="cannot read the DeepSpeed config /nonexistent.json"):
+            parse_args(args).deepspeed()
+        return
+    with pytest.raises(DominoError) as error:
+        parse_args(args)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_config_file_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- steps\n")
+    with pytest.raises(DominoError, match="must hold a mapping"):
+        parse_args(["--config", str(path)])
+
+
+def test_rows_normalise_from_both_formats():
+    sharegpt, openai = conversation(1, "sharegpt"), conversation(1, "openai")
+    assert to_messages(sharegpt) == to_messages(openai) == to_messages({"json_line": json.dumps(openai)})
+    # ShareGPT chunks that open mid-conversation lose the answers that have no question before them
+    chunk = {"conversations": [{"from": "gpt", "value": "tail"}, {"from": "human", "value": "q"},
+                               {"from": "gpt", "value": "a"}]}
+    assert [m["role"] for m in to_messages(chunk)] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"json_line": "{oops"}, "not valid JSON"),
+    ({"json_line": "[1, 2]"}, "not a JSON object"),
+    ({"text": "hi"}, "no 'conversations' or 'messages' field"),
+    ({"messages": []}, "empty conversation"),
+    ({"messages": [{"role": "user"}]}, "a turn without a text 'content'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn after a user turn"),
+])
+def test_malformed_rows_name_their_reason(row, reason):
+    with pytest.raises(MalformedRow, match=reason):
+        to_messages(row)
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    rows = [{"json_line": json.dumps(conversation(3, "openai"))}, {"json_line": "{oops"}]
+    out = tokenize_batch(pa.Table.from_pylist(rows), tokenizer_path, 512)
+    assert out["error"] == ["", "not valid JSON"]
+    ids, mask = out["input_ids"][0], out["loss_mask"][0]
+    trained = tokenizer.decode(ids[mask])
+    assert trained == "3 plus 3 is 6.<|im_end|>\n3 times two is 6, the same.<|im_end|>\n"
+    assert "Question 3" in tokenizer.decode(ids[~mask]) and "And times two?" in tokenizer.decode(ids[~mask])
+    assert json.loads(out["prompt"][0]) == [{"role": "user", "content": "Question 3: what is 3 plus 3?"}]
+    # cut to a window that ends inside the prompt: nothing to learn, skipped (not malformed)
+    short = tokenize_batch(pa.Table.from_pylist(rows[:1]), tokenizer_path, 20)
+    assert short["error"] == [TOO_LONG] and len(short["input_ids"][0]) == 20
+
+
+def test_embedded_sharegpt_reads_the_first_conversations():
+    rows = embedded_sharegpt(3)
+    assert len(rows) == 3 and json.loads(rows[0])["id"] == "QWJhYvA_0"
+
+
+def test_data_paths_are_checked(tmp_path):
+    with pytest.raises(DominoError, match="does not exist"):
+        list_files(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(DominoError, match="no .jsonl, .json or .parquet files"):
+        list_files(str(tmp_path))
+    with pytest.raises(DominoError, match="neither JSON Lines"):
+        list_files(str(write_jsonl(tmp_path / "rows.txt", [])))
+    path = write_jsonl(tmp_path / "rows.jsonl", [conversation(0)])
+    assert list_files(str(tmp_path)) == [str(path)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_features_travel_as_numpy_and_pad_into_batches(dtype):
+    features = [torch.randn(n, 6) for n in (3, 5)]
+    batch = {"input_ids": np.array([np.arange(3), np.arange(5)], dtype=object),
+             "loss_mask": np.array([np.ones(3, bool), np.ones(5, bool)], dtype=object),
+             "features": np.array([to_numpy(f, dtype) for f in features], dtype=object),
+             "target_seconds": np.array([0.5, 0.25])}
+    out = PadCollate(dtype)(batch)
+    assert out["input_ids"].shape == (2, 5) and out["lengths"].tolist() == [3, 5]
+    assert out["loss_mask"].sum() == 8 and float(out["target_seconds"]) == 0.75
+    tolerance = 1e-2 if dtype == "bfloat16" else 1e-3
+    assert torch.allclose(out["features"][0, :3].float(), features[0], atol=tolerance, rtol=tolerance)
+    assert (out["features"][0, 3:] == 0).all()
+    assert from_numpy(to_numpy(features[1], dtype), dtype).dtype == getattr(torch, dtype)
+
+
+def test_gpu_check_parses_its_arguments_into_a_valid_config(tmp_path):
+    from pipelines.benchmarks.gpu_check import SHAPES, arguments, pipeline_config
+
+    args, overrides = arguments(["--shape", "1.7b", "--steps", "20", "lr=1e-4"])
+    cfg = pipeline_config(args, "/models/qwen3-random", str(tmp_path), overrides)
+    assert args.shape in SHAPES and cfg.steps == cfg.checkpoint_every == 20 and cfg.lr == 1e-4
+    assert cfg.use_gpu and cfg.feature_gpus + cfg.trainer_gpus == 1 and cfg.draft_layers == 5
+    with pytest.raises(DominoError, match="unknown config key 'stepz'"):
+        pipeline_config(args, "/models/qwen3-random", str(tmp_path), ["stepz=3"])
+
+
+def test_benchmark_report_counts_the_cache_it_avoided_and_what_was_written(tmp_path):
+    from domino.config import DrafterConfig
+    from pipelines.benchmarks.pipeline import cache_bytes_per_token, report
+
+    cfg = parse_args([f"storage_path={tmp_path}", "run_name=r"])
+    drafter = DrafterConfig(target_hidden_size=576, target_vocab_size=49152, target_num_layers=30,
+                            target_layer_ids=[15], mask_token_id=0)
+    assert cache_bytes_per_token(cfg, drafter) == 576 * 2 + 5  # bf16 features, int32 id, mask flag
+    (tmp_path / "r" / "step_000001").mkdir(parents=True)
+    (tmp_path / "r" / "step_000001" / "weights").write_bytes(b"x" * 2**20)
+    metrics = {"run_feature_tokens_per_s": 300.0, "run_train_tokens_per_s": 150.0, "run_data_wait": [0.05],
+               "run_tokens": 1000.0, "first_batch_s": 12.0}
+    text = report(cfg, {"metrics": metrics, "drafter": drafter, "epoch_tokens": 2**20}, 600)
+    assert "| producer capacity / trainer demand | 2.00 |" in text
+    assert "| data wait per trainer (share of wall time after the first batch) | 5.0% |" in text
+    assert "| offline cache for one epoch (1048576 tokens) | 1.13 GiB |" in text
+    assert "| written by the run: checkpoints in storage_path | 1.0 MiB |" in text
