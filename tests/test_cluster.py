@@ -34,26 +34,13 @@ IMAGE = f"rayproject/ray:{ray.__version__}-py311-gpu"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Serve's schema warns about pydantic
 
-# Paths other branches bring; until they exist, tests that need them skip with this reason. Once
-# issues 5 and 8 are merged this can be emptied, so that a missing file fails instead of skipping.
-LATER = {
-    "pipelines/train.py": "issue 8 (training pipeline)",
-    "pipelines/config.py": "issue 8 (training pipeline)",
-    "cluster/deepspeed": "issue 8 (training pipeline)",
-    "cluster/deepspeed/zero2.json": "issue 8 (training pipeline)",
-    "pipelines/serve.py": "issue 5 (Ray Serve)",
-}
-
-
 def load(path: str):
     return yaml.safe_load((ROOT / path).read_text())
 
 
 def require(path: str) -> Path:
-    """The repository file at `path`; skips when another branch brings it, fails when nothing does."""
+    """The repository file at `path`; a missing one fails the test."""
     if not (ROOT / path).exists():
-        if path in LATER:
-            pytest.skip(f"{path} is not on this branch yet: it arrives with {LATER[path]}")
         pytest.fail(f"{path} does not exist")
     return ROOT / path
 
@@ -337,7 +324,7 @@ def entry_file(entry: str) -> str | None:
         return entry.split()[0]
     module = entry.split()[1]
     for candidate in (module.replace(".", "/") + ".py", module.replace(".", "/") + "/__main__.py"):
-        if (ROOT / candidate).exists() or candidate in LATER:
+        if (ROOT / candidate).exists():
             return candidate
     return None
 
@@ -424,7 +411,7 @@ def test_docs_name_repository_paths_that_exist():
     entrypoint = load("cluster/kuberay/rayjob-train.yaml")["spec"]["entrypoint"].replace("/home/ray/domino/", "")
     named |= set(REPO_PATH.findall(entrypoint))
     assert "cluster/aws.yaml" in named
-    missing = sorted(p for p in named if not (ROOT / p).exists() and p not in LATER)
+    missing = sorted(p for p in named if not (ROOT / p).exists())
     assert missing == []
 
 
