@@ -188,14 +188,6 @@ def test_bad_data_stops_before_training(cluster, inputs, tmp_path, make_data, me
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file")
-def test_unreadable_data_is_named(cluster, inputs, tmp_path):
-    path = write_jsonl(tmp_path / "secret.jsonl", [conversation(0)])
-    path.chmod(0)
-    with pytest.raises(DominoError, match="cannot read .*secret.jsonl: permission denied"):
-        run(config(inputs, tmp_path / "runs", data=str(path)))
-
-
 def test_command_line_errors_are_one_line_without_traceback(capsys):
     assert main(["stepz=3"]) == 2
     err = capsys.readouterr().err
