@@ -31,7 +31,7 @@ class PipelineConfig(BaseModel):
 
     # -- data ---------------------------------------------------------------------------------------
     data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded) or a .jsonl/.json/.parquet file or folder, local or s3://")
-    max_conversations: int = Field(320, ge=0, description="read at most this many conversations (0: all)")
+    max_conversations: int = Field(256, ge=0, description="read at most this many conversations (0: all)")
     max_length: int = Field(256, ge=16, description="tokens per training sequence (longer ones are cut)")
     max_malformed_fraction: float = Field(0.05, ge=0, le=1, description="malformed rows are skipped and counted; more than this fraction is fatal")
     eval_prompts: int = Field(8, ge=0, description="held-out conversations whose first prompt measures tau at the end (0: no evaluation)")
@@ -58,7 +58,7 @@ class PipelineConfig(BaseModel):
     block_size: int = Field(8, ge=2, description="tokens drafted per round")
     head: str = Field("domino", description=f"sequential head: {', '.join(HEAD_KINDS)}")
     rank: int = Field(64, ge=1, description="rank of the head's logit correction")
-    confidence_head: bool = Field(False, description="also train DSpark's confidence head")
+    confidence_head: bool = Field(True, description="also train DSpark's confidence head")
     distill: bool = Field(False, description="DSpark loss: 0.1 CE + 0.9 TV to the target's distribution (streams final hidden states too)")
 
     # -- training ---------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ class PipelineConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="gradient norm clipping (0: off)")
     seed: int = Field(0)
-    anchors_per_sequence: int = Field(32, ge=1, description="blocks drawn from each sequence per step")
+    anchors_per_sequence: int = Field(16, ge=1, description="blocks drawn from each sequence per step")
     curriculum_fraction: float = Field(0.5, ge=0, le=1, description="base-anchored curriculum: share of steps over which lambda falls to 0")
     deepspeed_config: str = Field("cluster/deepspeed/zero2.json", description="DeepSpeed JSON (relative paths: from the repository root)")
     log_every: int = Field(10, ge=1, description="steps between progress lines")

@@ -12,6 +12,7 @@ column, a survey pass counts the reasons, and only more than `max_malformed_frac
 from __future__ import annotations
 
 import functools
+import math
 import json
 import os
 from collections import Counter
@@ -305,3 +306,11 @@ def training_rows(tokenized: ray.data.Dataset, held_out: list[str], cfg: Pipelin
     if held_out:
         keep = keep & ~col("prompt").is_in(held_out)
     return tokenized.filter(expr=keep, num_cpus=cfg.data_cpus)
+
+
+def repeated(rows: ray.data.Dataset, count: int, cfg: PipelineConfig) -> ray.data.Dataset:
+    """The training rows once for every epoch the run needs, as one stream: the feature actors then
+    start once for the whole run instead of once per epoch (each start loads the target, and the
+    trainers would wait for it)."""
+    epochs = math.ceil(cfg.steps * cfg.batch_size * cfg.num_workers / max(count, 1))
+    return rows.union(*[rows] * (epochs - 1)) if epochs > 1 else rows

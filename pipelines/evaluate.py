@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 import ray
+import ray.train
 import torch
 
 from domino.config import DrafterConfig

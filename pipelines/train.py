@@ -33,7 +33,7 @@ from domino.errors import DominoError  # noqa: E402
 from domino.target import Target, check_causal_lm, resolve_target  # noqa: E402
 from pipelines import checkpoints  # noqa: E402
 from pipelines.config import PipelineConfig, help_text, parse_args  # noqa: E402
-from pipelines.data import check_survey, survey, tokenized_conversations, training_rows  # noqa: E402
+from pipelines.data import check_survey, repeated, survey, tokenized_conversations, training_rows  # noqa: E402
 from pipelines.errors import exit_status, root_cause  # noqa: E402
 from pipelines.evaluate import evaluate, format_table  # noqa: E402
 from pipelines.features import regenerated, with_features  # noqa: E402
@@ -83,14 +83,14 @@ def run(cfg: PipelineConfig) -> dict:
     if state is not None and state.step >= cfg.steps:
         print(f"[train] run '{cfg.run_name}' is already trained to step {state.step}: nothing to train", flush=True)
     else:
-        rows = training_rows(tokenized, found.held_out, cfg)
+        rows, count = training_rows(tokenized, found.held_out, cfg), found.trainable
         if cfg.regenerate:
             start = time.perf_counter()
             rows = regenerated(rows, cfg, target_path).materialize()  # token ids only, kept in memory
-            outcome["epoch_tokens"] = rows.sum("num_tokens")
+            outcome["epoch_tokens"], count = rows.sum("num_tokens"), rows.count()
             print(f"[regenerate] {rows.count()} answers by the target ({outcome['epoch_tokens']} tokens with their "
                   f"prompts) in {time.perf_counter() - start:.0f} s", flush=True)
-        stream = with_features(rows, cfg, target_path, drafter.target_layer_ids)
+        stream = with_features(repeated(rows, count, cfg), cfg, target_path, drafter.target_layer_ids)
         try:
             result = fit(cfg, stream, target_path)
         except ray.train.TrainingFailedError as error:

@@ -68,9 +68,10 @@ class PadCollate(NumpyBatchCollateFn):
 
 
 class Feed:
-    """This worker's batches, epoch after epoch (each epoch recomputes the features: nothing is cached),
-    with counters for the progress line. The counters start at the first batch, so the pipeline's
-    start-up (actors loading the target) is reported apart from the steady-state wait."""
+    """This worker's batches, with counters for the progress line. The stream already holds every epoch
+    the run needs (each recomputes the features: nothing is cached); should it run short, it starts over.
+    The counters start at the first batch, so the pipeline's start-up (actors loading the target) is
+    reported apart from the steady-state wait."""
 
     def __init__(self, shard, cfg: PipelineConfig, device: torch.device):
         self.shard, self.device = shard, device

@@ -65,7 +65,7 @@ def report(cfg: PipelineConfig, outcome: dict, seconds: float) -> str:
         f"| offline cache for one epoch ({outcome['epoch_tokens']} tokens) | {gib(per_token * outcome['epoch_tokens'])} |",
         f"| features streamed through memory ({m['run_tokens']:.0f} tokens) | {gib(per_token * m['run_tokens'])} |",
         f"| written by the run: checkpoints in storage_path | {gib(written)} |",
-        "| written by the run: features, caches, spilled objects | 0 |",
+        "| written by the run: features, caches, spilled objects | 0 (what tests/test_pipeline_ray.py checks) |",
     ]
     if outcome.get("tau"):
         lines += ["", "| drafter | prompts | tau (mean) |", "| --- | --- | --- |"]
