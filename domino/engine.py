@@ -85,10 +85,6 @@ class DecodingEngine:
     def has_work(self) -> bool:
         return bool(self.pending or self.ids)
 
-    @property
-    def running(self) -> int:
-        return len(self.ids)
-
     def step(self) -> list[Event]:
         events = [self._admit(request_id, state) for request_id, state in list(self.pending.items())]
         self.pending.clear()

@@ -1,7 +1,7 @@
 """Benchmark decoding methods side by side on real prompt sets.
 
     python -m pipelines.bench --datasets humaneval mt-bench gsm --methods autoregressive hf-generate \\
-        prompt-lookup oracle domino=runs/default/drafter --prompts 10 --max-new-tokens 128 --out results/bench
+        prompt-lookup oracle domino=$HOME/domino-runs/smollm2-sharegpt/step_000300/drafter --prompts 10 --max-new-tokens 128 --out results/bench
 
 Every method sees the same target, prompts and limits in one run (greedy); speedups are against plain
 autoregressive decoding from the same run, and "lossless" says whether a method's outputs equal it.
@@ -10,7 +10,7 @@ Writes results.json, results.md and two plots (acceptance by position, speedup p
 With --ablation it first trains, through the training pipeline, one drafter per variant of Domino's
 ablation (heads none, markov, rnn, domino, and domino without the base-anchored curriculum) on the
 same data and budget, then benchmarks them together. `--train key=value ...` sets that budget with
-the pipeline's own config keys (python pipelines/train.py --help), e.g. --train steps=240.
+the pipeline's own config keys (python pipelines/train.py --help), e.g. --train steps=120.
 """
 
 from __future__ import annotations

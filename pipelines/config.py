@@ -31,7 +31,7 @@ class PipelineConfig(BaseModel):
 
     # -- data ---------------------------------------------------------------------------------------
     data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded) or a .jsonl/.json/.parquet file or folder, local or s3://")
-    max_conversations: int = Field(256, ge=0, description="read at most this many conversations (0: all)")
+    max_conversations: int = Field(320, ge=0, description="read at most this many conversations (0: all)")
     max_length: int = Field(256, ge=16, description="tokens per training sequence (longer ones are cut)")
     max_malformed_fraction: float = Field(0.05, ge=0, le=1, description="malformed rows are skipped and counted; more than this fraction is fatal")
     eval_prompts: int = Field(8, ge=0, description="held-out conversations whose first prompt measures tau at the end (0: no evaluation)")
@@ -67,7 +67,7 @@ class PipelineConfig(BaseModel):
     trainer_cpus: float = Field(1, gt=0, description="CPUs per training worker")
     trainer_gpus: float = Field(1, gt=0, le=1, description="GPUs per training worker with use_gpu (below 1 shares a GPU with feature actors)")
     batch_size: int = Field(2, ge=1, description="sequences per step per worker")
-    steps: int = Field(240, ge=1, description="optimiser steps in total")
+    steps: int = Field(300, ge=1, description="optimiser steps in total")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (cosine schedule)")
     warmup_fraction: float = Field(0.04, ge=0, lt=1, description="fraction of steps warming up the learning rate")
     weight_decay: float = Field(0.0, ge=0)

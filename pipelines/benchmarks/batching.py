@@ -2,7 +2,7 @@
 decoding, batched; (b) speculative decoding verifying every drafted token; (c) speculative decoding
 with confidence-scheduled verification (DSpark). All requests start together; greedy.
 
-    python -m pipelines.benchmarks.batching --drafter runs/default/drafter [--concurrency 1 4 16 32]
+    python -m pipelines.benchmarks.batching --drafter $HOME/domino-runs/smollm2-sharegpt/step_000300/drafter [--concurrency 1 4 16 32]
 """
 
 from __future__ import annotations
