@@ -31,7 +31,7 @@ class PipelineConfig(BaseModel):
 
     # -- data ---------------------------------------------------------------------------------------
     data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded) or a .jsonl/.json/.parquet file or folder, local or s3://")
-    max_conversations: int = Field(320, ge=0, description="read at most this many conversations (0: all)")
+    max_conversations: int = Field(256, ge=0, description="read at most this many conversations (0: all)")
     max_length: int = Field(256, ge=16, description="tokens per training sequence (longer ones are cut)")
     max_malformed_fraction: float = Field(0.05, ge=0, le=1, description="malformed rows are skipped and counted; more than this fraction is fatal")
     eval_prompts: int = Field(8, ge=0, description="held-out conversations whose first prompt measures tau at the end (0: no evaluation)")
