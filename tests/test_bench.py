@@ -66,3 +66,21 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
         make_method("beam", embedded_target)
     assert bench.main(["--datasets", str(tmp_path / "nope.jsonl")]) == 2
     assert "error: dataset" in capsys.readouterr().err
+
+
+def test_embedded_prompt_sets_load_and_sharegpt_is_held_out_of_training():
+    from pipelines.data import MalformedRow, embedded_sharegpt, to_messages
+
+    for name in ("humaneval", "mt-bench", "gsm"):
+        conversations = load_prompt_set(name, 2).conversations
+        assert len(conversations) == 2
+        assert all(turns and all(isinstance(t, str) and t for t in turns) for turns in conversations)
+    held_out = [turns[0] for turns in load_prompt_set("sharegpt", 3).conversations]
+    assert len(held_out) == 3 and all(held_out)
+    trained_on = set()  # user turns of the conversations the pipeline reads, from the start of the file
+    for line in embedded_sharegpt(1200):
+        try:
+            trained_on |= {m["content"].strip() for m in to_messages({"json_line": line}) if m["role"] == "user"}
+        except MalformedRow:
+            continue
+    assert not set(held_out) & trained_on
