@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from domino.config import HEAD_KINDS
 from domino.errors import DominoError
+from pipelines.errors import exit_status
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED_DATA = "sharegpt"
@@ -185,3 +188,14 @@ def help_text() -> str:
     for name, field in PipelineConfig.model_fields.items():
         lines.append(f"  {name} = {field.default!r}" + (f"  # {field.description}" if field.description else ""))
     return "\n".join(lines)
+
+
+def command_line(doc: str, argv: list[str] | None, body: Callable[[list[str]], object]) -> int:
+    """A pipeline command: `--help` prints `doc` and every config key; anything else runs `body(argv)`,
+    bad input ending as one line on stderr (exit status 2)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(doc)
+        print(help_text())
+        return 0
+    return exit_status(lambda: body(argv))

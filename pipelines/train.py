@@ -32,9 +32,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from domino.errors import DominoError  # noqa: E402
 from domino.target import Target, check_causal_lm, resolve_target  # noqa: E402
 from pipelines import checkpoints  # noqa: E402
-from pipelines.config import PipelineConfig, help_text, parse_args  # noqa: E402
+from pipelines.config import PipelineConfig, command_line, parse_args  # noqa: E402
 from pipelines.data import check_survey, repeated, survey, tokenized_conversations, training_rows  # noqa: E402
-from pipelines.errors import exit_status, root_cause  # noqa: E402
+from pipelines.errors import root_cause  # noqa: E402
 from pipelines.evaluate import evaluate, format_table  # noqa: E402
 from pipelines.features import regenerated, with_features  # noqa: E402
 from pipelines.trainer import drafter_config, fit  # noqa: E402
@@ -111,12 +111,7 @@ def run(cfg: PipelineConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help"} & set(argv):
-        print(__doc__)
-        print(help_text())
-        return 0
-    return exit_status(lambda: run(parse_args(argv)))
+    return command_line(__doc__, argv, lambda args: run(parse_args(args)))
 
 
 if __name__ == "__main__":

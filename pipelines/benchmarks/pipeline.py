@@ -18,8 +18,7 @@ import torch
 from pyarrow import fs
 
 from domino.errors import DominoError
-from pipelines.config import PipelineConfig, help_text, parse_args
-from pipelines.errors import exit_status
+from pipelines.config import PipelineConfig, command_line, parse_args
 from pipelines.features import DTYPES
 from pipelines.train import run
 
@@ -84,12 +83,7 @@ def benchmark(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help"} & set(argv):
-        print(__doc__)
-        print(help_text())
-        return 0
-    return exit_status(lambda: benchmark(argv))
+    return command_line(__doc__, argv, benchmark)
 
 
 if __name__ == "__main__":
