@@ -12,8 +12,8 @@ column, a survey pass counts the reasons, and only more than `max_malformed_frac
 from __future__ import annotations
 
 import functools
-import math
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -82,8 +82,7 @@ def _list_remote(uri: str) -> list[str]:
 
 def embedded_sharegpt(limit: int) -> list[str]:
     """The first `limit` conversations (0: all) of the packaged ShareGPT file, as JSON text."""
-    rows = _embedded_sharegpt_rows(limit)
-    return rows[:limit] if limit else rows
+    return _embedded_sharegpt_rows(limit)
 
 
 def embedded_sharegpt_tail(limit: int, max_chars: int = 2000) -> list[str]:

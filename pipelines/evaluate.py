@@ -12,6 +12,7 @@ import ray.train
 import torch
 
 from domino.config import DrafterConfig
+from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.sampling import SamplingParams
 from domino.target import Target
@@ -22,8 +23,6 @@ def measure_tau(target_path: str, drafter_uri: str | None, config: DrafterConfig
                 max_new_tokens: int, device: str, seed: int) -> list[float]:
     """tau per prompt for the drafter exported at `drafter_uri` (local path or s3://), or for an untrained
     drafter built from `config` with the trainer's seed when `drafter_uri` is None."""
-    from domino.decoding import GenerationConfig, SpeculativeDecoder
-
     torch.set_num_threads(1)
     target = Target.load(target_path, device=device)
     if drafter_uri is None:
