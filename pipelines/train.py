@@ -88,7 +88,7 @@ def run(cfg: PipelineConfig) -> dict:
             start = time.perf_counter()
             rows = regenerated(rows, cfg, target_path).materialize()  # token ids only, kept in memory
             outcome["epoch_tokens"], count = rows.sum("num_tokens"), rows.count()
-            print(f"[regenerate] {rows.count()} answers by the target ({outcome['epoch_tokens']} tokens with their "
+            print(f"[regenerate] {count} answers by the target ({outcome['epoch_tokens']} tokens with their "
                   f"prompts) in {time.perf_counter() - start:.0f} s", flush=True)
         stream = with_features(repeated(rows, count, cfg), cfg, target_path, drafter.target_layer_ids)
         try:
