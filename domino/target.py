@@ -133,7 +133,7 @@ def check_causal_lm(config) -> None:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # (batch, tokens, vocab)
+    logits: torch.Tensor | None  # (batch, tokens, vocab); None from `features`
     features: torch.Tensor | None  # (batch, tokens, n_layers * hidden): the chosen layers, concatenated
     final_hidden: torch.Tensor | None  # (batch, tokens, hidden): the LM head's input
 
@@ -225,6 +225,38 @@ class Target:
             if final_hidden:
                 last = out.hidden_states[-1]
         return TargetOutput(logits=out.logits, features=features, final_hidden=last)
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, layer_ids: list[int] | tuple[int, ...], final_hidden: bool = False,
+                 attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        """`forward`'s features without the logits, for training: the LM head and every layer after the
+        deepest chosen one would be wasted work there (with DFlash's middle layer, half the target).
+        The layers past that depth are switched off for this call only, so it is not for a target that
+        another thread is running at the same time."""
+        check_layer_ids(list(layer_ids), self.num_layers)
+        base = self.model.base_model
+        layers = getattr(base, "layers", None)
+        # the last layer's output is read after the final norm; architectures without a `layers` list
+        # (GPT-2's is `h`) run whole
+        if final_hidden or not layer_ids or self.num_layers - 1 in layer_ids or layers is None:
+            out = self.forward(input_ids, layer_ids=layer_ids, final_hidden=final_hidden, attention_mask=attention_mask)
+            return TargetOutput(logits=None, features=out.features, final_hidden=out.final_hidden)
+        outputs: dict[int, torch.Tensor] = {}
+
+        def keep(layer_id: int):
+            def hook(module, args, output):
+                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        hooks = [layers[i].register_forward_hook(keep(i)) for i in set(layer_ids)]
+        depth, self.config.num_hidden_layers = self.config.num_hidden_layers, max(layer_ids) + 1
+        try:
+            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            self.config.num_hidden_layers = depth
+            for hook in hooks:
+                hook.remove()
+        return TargetOutput(logits=None, features=torch.cat([outputs[i] for i in layer_ids], dim=-1), final_hidden=None)
 
     # -- text ----------------------------------------------------------------------------------
     @property

@@ -82,7 +82,7 @@ class Regenerate(TargetActor):
 
 
 class TargetFeatures(TargetActor):
-    """One padded target forward per batch; per sequence, the chosen layers' features (and the final
+    """One padded target forward per batch, only as deep as the chosen layers; per sequence, the chosen layers' features (and the final
     hidden state when the loss distils the target's distribution), cut back to its own length.
     `target_seconds` is each sequence's share of the forward time: summed by the trainers, it gives
     the producers' own throughput, separate from any time they spend waiting on the trainers."""
@@ -103,8 +103,8 @@ class TargetFeatures(TargetActor):
             ids[i, : lengths[i]] = torch.from_numpy(np.asarray(sequence, dtype=np.int64))
             attention[i, : lengths[i]] = 1
         device = self.target.device
-        out = self.target.forward(ids.to(device), layer_ids=self.layer_ids, final_hidden=self.final_hidden,
-                                  attention_mask=attention.to(device))
+        out = self.target.features(ids.to(device), layer_ids=self.layer_ids, final_hidden=self.final_hidden,
+                                   attention_mask=attention.to(device))
         result = {"input_ids": sequences, "loss_mask": list(batch["loss_mask"]),
                   "features": [to_numpy(out.features[i, :n], self.dtype) for i, n in enumerate(lengths)]}
         if self.final_hidden:

@@ -60,6 +60,30 @@ def test_features_are_the_chosen_layer_outputs_and_cache_is_consistent():
     assert torch.allclose(torch.cat([first.features, rest.features], 1), full.features, atol=1e-5)
 
 
+def test_training_features_equal_forward_and_skip_the_layers_past_the_deepest():
+    target = tiny_target()  # 6 layers
+    ids = torch.randint(0, 96, (2, 10))
+    attention = torch.ones_like(ids)
+    attention[1, 7:] = 0  # a right-padded row, as the feature actors batch them
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(target.model.model.layers)]
+    for layer_ids, final_hidden in [([3, 1], False), ([2], False), ([1, 5], False), ([2], True)]:
+        ran.clear()
+        out = target.features(ids, layer_ids, final_hidden=final_hidden, attention_mask=attention)
+        deepest = 5 if final_hidden or 5 in layer_ids else max(layer_ids)
+        assert sorted(set(ran)) == list(range(deepest + 1))
+        reference = target.forward(ids, layer_ids=layer_ids, final_hidden=final_hidden, attention_mask=attention)
+        assert out.logits is None and torch.equal(out.features, reference.features)
+        assert (out.final_hidden is None) == (not final_hidden)
+        if final_hidden:
+            assert torch.equal(out.final_hidden, reference.final_hidden)
+        assert target.num_layers == 6
+    for hook in hooks:
+        hook.remove()
+    with pytest.raises(DominoError, match="out of range"):
+        target.features(ids, [6])
+
+
 def test_interrupted_conversion_leaves_no_cache(tmp_path):
     """Kill a conversion mid-way: the cache folder must not exist, so the next run converts afresh."""
     env = {**os.environ, "DOMINO_CACHE": str(tmp_path)}
