@@ -172,7 +172,7 @@ class DecodingEngine:
         start = time.perf_counter()
         draft = None
         lengths = torch.zeros_like(caps)
-        if int(caps.max()) > 0 and self.policy.wants_draft():
+        if int(caps.max()) > 0 and self.policy.wants_draft(len(states)):
             draft = self._propose(states, anchors, positions, sampling)
             lengths = self.policy.lengths(caps, draft.confidence)
         drafted = time.perf_counter()

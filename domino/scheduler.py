@@ -11,8 +11,9 @@ tokens before the one being judged, so cutting a draft short never changes the o
 from __future__ import annotations
 
 import bisect
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,11 +28,13 @@ class SPSProfile:
     tokens: list[int]
     seconds: list[float]
 
-    def __call__(self, batch_tokens: int) -> float:
+    def seconds_at(self, batch_tokens: int) -> float:
         i = min(max(bisect.bisect_left(self.tokens, batch_tokens), 1), len(self.tokens) - 1)
         (b0, b1), (t0, t1) = self.tokens[i - 1: i + 1], self.seconds[i - 1: i + 1]
-        seconds = t0 + (t1 - t0) * (batch_tokens - b0) / (b1 - b0)
-        return 1.0 / max(seconds, 1e-9)
+        return max(t0 + (t1 - t0) * (batch_tokens - b0) / (b1 - b0), 1e-9)
+
+    def __call__(self, batch_tokens: int) -> float:
+        return 1.0 / self.seconds_at(batch_tokens)
 
 
 @torch.no_grad()
@@ -58,7 +61,8 @@ class VerifyPolicy:
 
     needs_confidence = False
 
-    def wants_draft(self) -> bool:
+    def wants_draft(self, rows: int) -> bool:
+        """Whether this round, with `rows` requests, drafts at all."""
         return True
 
     def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
@@ -90,33 +94,48 @@ class ThresholdVerify(VerifyPolicy):
 @dataclass
 class SpeculationGate:
     """Drafting costs time before its worth is known: with many requests in a batch, a round of plain
-    decoding can commit more tokens per second than a round of draft + verify. After a drafted round
-    that committed fewer tokens per second than a plain round would have (the SPS profile's estimate,
-    corrected by what plain rounds really measured), the gate decodes plainly for 2, 4, 8 ... rounds
-    before trying drafts again. It looks only at finished rounds, so it never changes the output."""
+    decoding can commit more tokens per second than a round of draft + verify. A drafted round loses
+    when it commits fewer tokens per second than plain rounds (the SPS profile's estimate, corrected by
+    what plain rounds really measured). After a loss the gate decodes plainly for long enough that the
+    time the loss cost stays under `explore` of the time until the next try, a stretch that grows
+    `growth`-fold with each loss in a row (up to `max_backoff` rounds); a drafted round that wins clears
+    it. A round near break-even is thus retried soon, a hopeless one rarely. Whether drafting pays
+    depends on how many requests share the round, so all this is kept per batch-size class (1, 2-3,
+    4-7, ...): losing at 32 requests does not stop drafting at 1. The gate looks only at finished
+    rounds, so it never changes the output."""
 
     sps: SPSProfile
-    max_backoff: int = 64
+    explore: float = 0.05
+    growth: int = 4
+    max_backoff: int = 1024
     calibration: float = 1.0  # measured / profiled speed of plain rounds
-    losses: int = 0
-    skip: int = 0
+    losses: dict[int, int] = field(default_factory=dict)  # batch-size class -> drafted rounds lost in a row
+    skip: dict[int, int] = field(default_factory=dict)  # batch-size class -> plain rounds still to run
 
-    def wants_draft(self) -> bool:
-        if self.skip:
-            self.skip -= 1
+    @staticmethod
+    def size_class(rows: int) -> int:
+        return rows.bit_length()
+
+    def wants_draft(self, rows: int) -> bool:
+        size = self.size_class(rows)
+        if self.skip.get(size, 0):
+            self.skip[size] -= 1
             return False
         return True
 
     def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
-        rate = committed / max(seconds, 1e-9)
-        plain_rate = rows * self.sps(rows)  # a plain round commits one token per row
+        plain_seconds = 1.0 / (self.calibration * self.sps(rows))  # a plain round commits one token per row
+        size = self.size_class(rows)
         if not drafted:
-            self.calibration = 0.5 * (self.calibration + rate / plain_rate)
-        elif rate < self.calibration * plain_rate:
-            self.losses += 1
-            self.skip = min(2 ** self.losses, self.max_backoff)
-        else:
-            self.losses = 0
+            self.calibration = 0.5 * (self.calibration + self.sps.seconds_at(rows) / seconds)
+            return
+        lost_rounds = seconds / plain_seconds - committed / rows  # > 0: plain rounds would have been faster
+        if lost_rounds <= 0:
+            self.losses[size] = 0
+            return
+        self.losses[size] = self.losses.get(size, 0) + 1
+        stretch = lost_rounds / self.explore * self.growth ** (self.losses[size] - 1)
+        self.skip[size] = min(math.ceil(stretch), self.max_backoff)
 
 
 @dataclass
@@ -133,8 +152,8 @@ class ConfidenceScheduler(VerifyPolicy):
     def __post_init__(self) -> None:
         self.gate = SpeculationGate(self.sps)
 
-    def wants_draft(self) -> bool:
-        return self.gate.wants_draft()
+    def wants_draft(self, rows: int) -> bool:
+        return self.gate.wants_draft(rows)
 
     def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
         self.gate.observe(drafted, rows, committed, seconds)
