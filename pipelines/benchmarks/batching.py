@@ -1,7 +1,12 @@
 """Batched decoding on the embedded target at several concurrencies: (a) plain autoregressive
 decoding, batched; (b) speculative decoding verifying every drafted token; (c) speculative decoding
-with confidence-scheduled verification (DSpark). All requests start together; greedy. Each engine
-runs the workload twice: the table shows the second run (steady state) and the first run's total.
+with confidence-scheduled verification (DSpark). All requests start together; greedy.
+
+The three engines run in lockstep, one step of each in turn, and each method's clock counts only its
+own steps: this VM's speed drifts by 10 % and more between runs a minute apart, and alternating steps
+exposes every method to the same drift. Each engine serves the workload once untimed (a cold start:
+allocator, caches, the scheduler's gate still learning; its total is reported apart), then
+`--repeats` times timed, as a server that has been running would.
 
     python -m pipelines.benchmarks.batching --drafter $HOME/domino-runs/smollm2-sharegpt/step_000300/drafter [--concurrency 1 4 16 32]
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from collections import defaultdict
 
 import torch
 
@@ -22,25 +28,29 @@ from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks.engine import PROMPTS
 
 
-def run(engine: DecodingEngine, prompts: list[list[int]], max_new_tokens: int, tag: str = "r") -> dict:
+def lockstep(engines: dict[str, DecodingEngine], prompts: list[list[int]], max_new_tokens: int, tag: str) -> dict:
+    """Every engine serves the same requests, one step of each in turn. Per method: tokens, its own
+    step time, each request's tokens over the method's clock when it finished, rounds, outputs."""
     config = GenerationConfig(max_new_tokens=max_new_tokens)
-    states = [engine.add(f"{tag}{i}", p, config) for i, p in enumerate(prompts)]
-    start = time.perf_counter()
-    while engine.has_work:
-        engine.step()
-    wall = time.perf_counter() - start
-    tokens = sum(len(s.tokens) for s in states)
-    return dict(total=tokens / wall,
-                per_user=sum(s.stats.tokens_per_second for s in states) / len(states),
-                tau=sum(sum(s.stats.accept_lengths) for s in states) / max(1, sum(s.stats.rounds for s in states)),
-                outputs=[s.tokens for s in states])
-
-
-def steady(engine: DecodingEngine, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """The workload twice on one engine: the first run is a cold start (allocator, caches, the
-    scheduler's gate still learning), the second what a server that has been running sees."""
-    first = run(engine, prompts, max_new_tokens, tag="first ")
-    return {**run(engine, prompts, max_new_tokens), "first_total": first["total"]}
+    states = {name: [e.add(f"{tag}{i}", p, config) for i, p in enumerate(prompts)] for name, e in engines.items()}
+    clock = dict.fromkeys(engines, 0.0)
+    finished_at: dict[str, dict[int, float]] = {name: {} for name in engines}
+    while any(e.has_work for e in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_work:
+                continue
+            start = time.perf_counter()
+            engine.step()
+            clock[name] += time.perf_counter() - start
+            for i, state in enumerate(states[name]):
+                if state.finished and i not in finished_at[name]:
+                    finished_at[name][i] = clock[name]
+    return {name: dict(tokens=sum(len(s.tokens) for s in states[name]), seconds=clock[name],
+                       per_user=[len(s.tokens) / finished_at[name][i] for i, s in enumerate(states[name])],
+                       committed=sum(sum(s.stats.accept_lengths) for s in states[name]),
+                       rounds=sum(s.stats.rounds for s in states[name]),
+                       outputs=[s.tokens for s in states[name]])
+            for name in engines}
 
 
 def main() -> None:
@@ -49,29 +59,39 @@ def main() -> None:
     parser.add_argument("--drafter", required=True, help="a drafter checkpoint with a confidence head")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs after the cold one")
     args = parser.parse_args()
 
     target = Target.load(args.target)
     drafter = Drafter.from_pretrained(args.drafter, target)
     block = drafter.config.block_size
     sps = profile_sps(target, max_tokens=max(args.concurrency) * (block + 1))
-    methods = {
-        "(a) autoregressive": lambda: DecodingEngine(target, None),
-        "(b) full block": lambda: DecodingEngine(target, drafter, policy=FullVerify()),
-        "(c) confidence-scheduled": lambda: DecodingEngine(target, drafter, policy=ConfidenceScheduler(sps)),
-    }
     print(f"# {args.target} on {platform.machine()}, {torch.get_num_threads()} threads; drafter {args.drafter} "
-          f"(block {block}, head {drafter.config.head}); {args.max_new_tokens} new tokens per request, greedy")
-    print("\n| concurrency | method | total tokens/s | per-request tokens/s | tau | first run: total tokens/s | "
+          f"(block {block}, head {drafter.config.head}); {args.max_new_tokens} new tokens per request, greedy; "
+          f"{args.repeats} timed runs after a cold one")
+    print("\n| concurrency | method | total tokens/s | vs (a) | per-request tokens/s | tau | cold run: total tokens/s | "
           "same output as (a) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for concurrency in args.concurrency:
+        engines = {"(a) autoregressive": DecodingEngine(target, None),
+                   "(b) full block": DecodingEngine(target, drafter, policy=FullVerify()),
+                   "(c) confidence-scheduled": DecodingEngine(target, drafter, policy=ConfidenceScheduler(sps))}
         prompts = [target.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(concurrency)]
-        results = {name: steady(make(), prompts, args.max_new_tokens) for name, make in methods.items()}
-        baseline = results["(a) autoregressive"]["outputs"]
-        for name, r in results.items():
-            print(f"| {concurrency} | {name} | {r['total']:.1f} | {r['per_user']:.1f} | {r['tau']:.2f} | "
-                  f"{r['first_total']:.1f} | {r['outputs'] == baseline} |", flush=True)
+        cold = lockstep(engines, prompts, args.max_new_tokens, "cold ")
+        runs = [lockstep(engines, prompts, args.max_new_tokens, f"run {k} ") for k in range(args.repeats)]
+        sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+        for run in runs:
+            for name, r in run.items():
+                for key in ("tokens", "seconds", "committed", "rounds"):
+                    sums[name][key] += r[key]
+                sums[name]["per_user"] += sum(r["per_user"]) / len(r["per_user"]) / len(runs)
+        baseline = sums["(a) autoregressive"]["tokens"] / sums["(a) autoregressive"]["seconds"]
+        for name, s in sums.items():
+            same = all(run[name]["outputs"] == run["(a) autoregressive"]["outputs"] for run in [cold, *runs])
+            total = s["tokens"] / s["seconds"]
+            print(f"| {concurrency} | {name} | {total:.1f} | {total / baseline:.2f} | {s['per_user']:.1f} | "
+                  f"{s['committed'] / max(1, s['rounds']):.2f} | {cold[name]['tokens'] / cold[name]['seconds']:.1f} | "
+                  f"{same} |", flush=True)
 
 
 if __name__ == "__main__":
