@@ -2,9 +2,9 @@
 decoding, batched; (b) speculative decoding verifying every drafted token; (c) speculative decoding
 with confidence-scheduled verification (DSpark). All requests start together; greedy.
 
-The three engines run in lockstep, one step of each in turn, and each method's clock counts only its
-own steps: this VM's speed drifts by 10 % and more between runs a minute apart, and alternating steps
-exposes every method to the same drift. Each engine serves the workload once untimed (a cold start:
+The three engines run in lockstep, one step of each in turn (the order rotating), and each method's
+clock counts only its own steps: this VM's speed drifts by 10 % and more between runs a minute apart,
+and alternating steps exposes every method to the same drift. Each engine serves the workload once untimed (a cold start:
 allocator, caches, the scheduler's gate still learning; its total is reported apart), then
 `--repeats` times timed, as a server that has been running would.
 
@@ -35,8 +35,11 @@ def lockstep(engines: dict[str, DecodingEngine], prompts: list[list[int]], max_n
     states = {name: [e.add(f"{tag}{i}", p, config) for i, p in enumerate(prompts)] for name, e in engines.items()}
     clock = dict.fromkeys(engines, 0.0)
     finished_at: dict[str, dict[int, float]] = {name: {} for name in engines}
+    order = list(engines)
     while any(e.has_work for e in engines.values()):
-        for name, engine in engines.items():
+        order = order[1:] + order[:1]  # rotate: a step runs faster or slower after a big one (caches, allocator)
+        for name in order:
+            engine = engines[name]
             if not engine.has_work:
                 continue
             start = time.perf_counter()
