@@ -82,8 +82,9 @@ class Regenerate(TargetActor):
 
 
 class TargetFeatures(TargetActor):
-    """One padded target forward per batch, only as deep as the chosen layers; per sequence, the chosen layers' features (and the final
-    hidden state when the loss distils the target's distribution), cut back to its own length.
+    """One padded target forward per batch, only as deep as the chosen layers need; per sequence, the
+    chosen layers' features (and the final hidden state when the loss distils the target's
+    distribution), cut back to its own length.
     `target_seconds` is each sequence's share of the forward time: summed by the trainers, it gives
     the producers' own throughput, separate from any time they spend waiting on the trainers."""
 
