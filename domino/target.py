@@ -55,6 +55,14 @@ def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
             )
 
 
+def chosen_layers(hidden_states: tuple[torch.Tensor, ...], layer_ids, final_hidden: bool):
+    """(features, final hidden state) from a model's `hidden_states`: entry 0 is the embedding
+    output, entry i + 1 the output of layer i, and the last entry has the final norm applied (it is
+    the LM head's input)."""
+    features = torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1) if layer_ids else None
+    return features, hidden_states[-1] if final_hidden else None
+
+
 def _embedded_gguf(name: str) -> Path:
     package, filename = EMBEDDED_TARGETS[name]
     spec = importlib.util.find_spec(package)  # located, never imported
@@ -216,14 +224,7 @@ class Target:
         out = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None,
                          attention_mask=attention_mask, position_ids=position_ids,
                          output_hidden_states=want_hidden)
-        features = last = None
-        if want_hidden:
-            # hidden_states[0] is the embedding output, hidden_states[i + 1] the output of layer i;
-            # the last entry has the final norm applied (it is the LM head's input).
-            if layer_ids:
-                features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
-            if final_hidden:
-                last = out.hidden_states[-1]
+        features, last = chosen_layers(out.hidden_states, layer_ids, final_hidden) if want_hidden else (None, None)
         return TargetOutput(logits=out.logits, features=features, final_hidden=last)
 
     @torch.no_grad()
@@ -234,13 +235,14 @@ class Target:
         The layers past that depth are switched off for this call only, so it is not for a target that
         another thread is running at the same time."""
         check_layer_ids(list(layer_ids), self.num_layers)
-        base = self.model.base_model
+        base = self.model.base_model  # the model without its LM head
         layers = getattr(base, "layers", None)
         # the last layer's output is read after the final norm; architectures without a `layers` list
         # (GPT-2's is `h`) run whole
         if final_hidden or not layer_ids or self.num_layers - 1 in layer_ids or layers is None:
-            out = self.forward(input_ids, layer_ids=layer_ids, final_hidden=final_hidden, attention_mask=attention_mask)
-            return TargetOutput(logits=None, features=out.features, final_hidden=out.final_hidden)
+            out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
+            features, last = chosen_layers(out.hidden_states, layer_ids, final_hidden)
+            return TargetOutput(logits=None, features=features, final_hidden=last)
         outputs: dict[int, torch.Tensor] = {}
 
         def keep(layer_id: int):

@@ -67,11 +67,12 @@ def test_training_features_equal_forward_and_skip_the_layers_past_the_deepest():
     attention[1, 7:] = 0  # a right-padded row, as the feature actors batch them
     ran = []
     hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(target.model.model.layers)]
+    hooks.append(target.lm_head.register_forward_hook(lambda m, a, o: ran.append("lm_head")))
     for layer_ids, final_hidden in [([3, 1], False), ([2], False), ([1, 5], False), ([2], True)]:
         ran.clear()
         out = target.features(ids, layer_ids, final_hidden=final_hidden, attention_mask=attention)
         deepest = 5 if final_hidden or 5 in layer_ids else max(layer_ids)
-        assert sorted(set(ran)) == list(range(deepest + 1))
+        assert ran == list(range(deepest + 1))  # in order, once each, and never the LM head
         reference = target.forward(ids, layer_ids=layer_ids, final_hidden=final_hidden, attention_mask=attention)
         assert out.logits is None and torch.equal(out.features, reference.features)
         assert (out.final_hidden is None) == (not final_hidden)

@@ -4,8 +4,8 @@ with confidence-scheduled verification (DSpark). All requests start together; gr
 
 The three engines run in lockstep, one step of each in turn (the order rotating), and each method's
 clock counts only its own steps: this VM's speed drifts by 10 % and more between runs a minute apart,
-and alternating steps exposes every method to the same drift. Each engine serves the workload once untimed (a cold start:
-allocator, caches, the scheduler's gate still learning; its total is reported apart), then
+and alternating steps exposes every method to the same drift. Each engine serves the workload once
+cold (allocator, caches, the scheduler's gate still learning; its total is reported apart), then
 `--repeats` times timed, as a server that has been running would.
 
     python -m pipelines.benchmarks.batching --drafter $HOME/domino-runs/smollm2-sharegpt/step_000300/drafter [--concurrency 1 4 16 32]
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import time
-from collections import defaultdict
 
 import torch
 
@@ -82,19 +82,18 @@ def main() -> None:
         prompts = [target.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(concurrency)]
         cold = lockstep(engines, prompts, args.max_new_tokens, "cold ")
         runs = [lockstep(engines, prompts, args.max_new_tokens, f"run {k} ") for k in range(args.repeats)]
-        sums: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-        for run in runs:
-            for name, r in run.items():
-                for key in ("tokens", "seconds", "committed", "rounds"):
-                    sums[name][key] += r[key]
-                sums[name]["per_user"] += sum(r["per_user"]) / len(r["per_user"]) / len(runs)
-        baseline = sums["(a) autoregressive"]["tokens"] / sums["(a) autoregressive"]["seconds"]
-        for name, s in sums.items():
+        timed = {name: [run[name] for run in runs] for name in engines}
+
+        def total(results: list[dict]) -> float:
+            return sum(r["tokens"] for r in results) / sum(r["seconds"] for r in results)
+
+        baseline = total(timed["(a) autoregressive"])
+        for name, results in timed.items():
             same = all(run[name]["outputs"] == run["(a) autoregressive"]["outputs"] for run in [cold, *runs])
-            total = s["tokens"] / s["seconds"]
-            print(f"| {concurrency} | {name} | {total:.1f} | {total / baseline:.2f} | {s['per_user']:.1f} | "
-                  f"{s['committed'] / max(1, s['rounds']):.2f} | {cold[name]['tokens'] / cold[name]['seconds']:.1f} | "
-                  f"{same} |", flush=True)
+            per_user = statistics.mean(speed for r in results for speed in r["per_user"])
+            tau = sum(r["committed"] for r in results) / max(1, sum(r["rounds"] for r in results))
+            print(f"| {concurrency} | {name} | {total(results):.1f} | {total(results) / baseline:.2f} | "
+                  f"{per_user:.1f} | {tau:.2f} | {total([cold[name]]):.1f} | {same} |", flush=True)
 
 
 if __name__ == "__main__":
