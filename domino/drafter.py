@@ -8,6 +8,7 @@ attends to all context and to itself without a causal mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,10 +177,15 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, cache: ContextCache, anchors: torch.Tensor, sampling: RowSampling,
-              positions: torch.Tensor | None = None) -> Draft:
+              positions: torch.Tensor | None = None,
+              screen: Callable[[torch.Tensor], bool] | None = None) -> Draft | None:
         """One drafting round: propose the B tokens after each anchor (n,), sitting at `positions` (n,)
         (default: right after the cached context). Each proposal is chosen by the row's sampling rule
-        from a distribution conditioned on the proposals before it, and that distribution is returned."""
+        from a distribution conditioned on the proposals before it, and that distribution is returned.
+
+        `screen` (drafters with a confidence head) sees the first position's survival estimates (n,),
+        which need no logits, and answers whether any draft is worth verifying. When none is, the round
+        ends there (None), skipping the LM head over n x B positions: at large batch the costliest part."""
         n, block = anchors.shape[0], self.config.block_size
         offsets = torch.arange(block, device=anchors.device)
         if positions is None:
@@ -189,18 +195,24 @@ class Drafter(nn.Module):
             mask = torch.cat([cache.valid, cache.valid.new_ones(n, block)], dim=1)[:, None, None, :]
         h = self.backbone(self.block_ids(anchors), positions[:, None] + offsets,
                           [cache.layer(i) for i in range(len(self.layers))], mask)
+        prev, prev_embed = anchors, self.embed(anchors)
+        confidence = []
+        if self.confidence is not None:
+            confidence.append(torch.sigmoid(self.confidence(h[:, 0], prev_embed)))
+            if screen is not None and not screen(confidence[0]):
+                return None
         base = self.lm_head(h)
         state = self.head.initial_state(n, h) if self.head is not None else None
-        prev = anchors
-        tokens, probs, confidence = [], [], []
+        tokens, probs = [], []
         for k in range(block):
+            if k:
+                prev_embed = self.embed(prev)
+                if self.confidence is not None:
+                    confidence.append(torch.sigmoid(self.confidence(h[:, k], prev_embed)))
             logits = base[:, k]
-            prev_embed = self.embed(prev)
             if self.head is not None:
                 z, state = self.head.step(k, h[:, k], prev, prev_embed, state)
                 logits = logits + self.head.out(z).float()
-            if self.confidence is not None:
-                confidence.append(torch.sigmoid(self.confidence(h[:, k], prev_embed)))
             prev, p = sampling.choose(logits)
             tokens.append(prev)
             probs.append(p)

@@ -134,9 +134,11 @@ class DecodingEngine:
 
     # -- one round for every row -----------------------------------------------------------------
     def _propose(self, states: list[RequestState], anchors: torch.Tensor, positions: torch.Tensor,
-                 sampling: RowSampling) -> Draft:
+                 sampling: RowSampling, caps: torch.Tensor) -> Draft | None:
+        """This round's drafts, or None when the policy would verify none of them."""
         if isinstance(self.drafter, Drafter):
-            return self.drafter.draft(self.caches.context, anchors, sampling, positions)
+            screen = (lambda first: self.policy.admits_any(caps, first)) if self.policy.needs_confidence else None
+            return self.drafter.draft(self.caches.context, anchors, sampling, positions, screen)
         upcoming = [s.reference[len(s.tokens): len(s.tokens) + self.block_size] for s in states]
         tokens = torch.tensor([u + [PAD] * (self.block_size - len(u)) for u in upcoming], device=anchors.device)
         probs = None
@@ -172,9 +174,11 @@ class DecodingEngine:
         start = time.perf_counter()
         draft = None
         lengths = torch.zeros_like(caps)
-        if int(caps.max()) > 0 and self.policy.wants_draft(len(states)):
-            draft = self._propose(states, anchors, positions, sampling)
-            lengths = self.policy.lengths(caps, draft.confidence)
+        tried = int(caps.max()) > 0 and self.policy.wants_draft(len(states))
+        if tried:
+            draft = self._propose(states, anchors, positions, sampling, caps)
+            if draft is not None:
+                lengths = self.policy.lengths(caps, draft.confidence)
         drafted = time.perf_counter()
 
         width = int(lengths.max())
@@ -194,7 +198,7 @@ class DecodingEngine:
             self.drafter.extend_context(self.caches.context, out.features, positions[:, None] + offsets)
         self.caches.settle(offsets < 1 + accepted[:, None])
         settled = time.perf_counter()
-        self.policy.observe(draft is not None, len(states), int(accepted.sum()) + len(states), settled - start)
+        self.policy.observe(tried, len(states), int(accepted.sum()) + len(states), settled - start)
 
         events, done = [], []
         for r, (request_id, state) in enumerate(zip(self.ids, states)):

@@ -71,6 +71,12 @@ class VerifyPolicy:
     def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def admits_any(self, caps: torch.Tensor, first_confidence: torch.Tensor) -> bool:
+        """Whether any request would verify its first draft, judged on the first position's
+        confidences alone. If none would, no later draft would either (a position is admitted only
+        after its prefix, and the first choice is the same), so the round can stop drafting early."""
+        return bool(self.lengths(caps.clamp(max=1), first_confidence[:, None]).max() > 0)
+
 
 class FullVerify(VerifyPolicy):
     """Verify every drafted token (up to each request's remaining budget)."""

@@ -37,8 +37,8 @@ class NoisyOracle(DecodingEngine):
     """Proposes the target's greedy continuation with every token corrupted with probability 0.3,
     so that rounds accept every possible number of drafts."""
 
-    def _propose(self, states, anchors, positions, sampling):
-        draft = super()._propose(states, anchors, positions, sampling)
+    def _propose(self, states, anchors, positions, sampling, caps):
+        draft = super()._propose(states, anchors, positions, sampling, caps)
         corrupt = torch.rand(draft.tokens.shape, generator=states[0].generator) < 0.3
         draft.tokens = torch.where(corrupt, (draft.tokens + 1) % self.target.vocab_size, draft.tokens)
         return draft

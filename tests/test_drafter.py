@@ -53,6 +53,30 @@ def test_save_load_gives_identical_drafts(tmp_path, head):
     assert all(p.data_ptr() != target.embed_tokens.weight.data_ptr() for p in loaded.parameters())
 
 
+def test_screened_draft_stops_before_the_lm_head():
+    """A screen sees the first position's confidences; saying no skips the LM head, saying yes
+    changes nothing about the draft."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, head="domino", confidence_head=True)
+    ids = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(1))
+    features = target.forward(ids[:, :-1], layer_ids=drafter.config.target_layer_ids).features
+    cache = ContextCache()
+    drafter.extend_context(cache, features, torch.arange(ids.shape[1] - 1).expand(3, -1))
+    greedy = RowSampling([GREEDY] * 3, [None] * 3)
+    calls = []
+    hook = target.lm_head.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        full = drafter.draft(cache, ids[:, -1], greedy)
+        assert len(calls) == 1
+        seen = []
+        assert drafter.draft(cache, ids[:, -1], greedy, screen=lambda first: seen.append(first) or False) is None
+        assert len(calls) == 1 and torch.equal(seen[0], full.confidence[:, 0])
+        passed = drafter.draft(cache, ids[:, -1], greedy, screen=lambda first: True)
+    finally:
+        hook.remove()
+    assert torch.equal(passed.tokens, full.tokens) and torch.equal(passed.confidence, full.confidence)
+
+
 @pytest.mark.parametrize("other, fact", [
     (dict(hidden_size=32), "hidden size 64"),
     (dict(vocab_size=80), "vocabulary size 96"),

@@ -164,6 +164,25 @@ def test_scheduled_verification_stays_exact(target, policy):
         assert got[rid] == hf_greedy(target, prompt, 25)
 
 
+def test_first_position_screen_agrees_with_the_full_admission():
+    """admits_any, which sees only the first drafted position, says yes exactly when the full
+    schedule verifies something: the engine relies on it to stop a draft before its LM head."""
+    generator = torch.Generator().manual_seed(3)
+    cheap = SPSProfile(tokens=[1, 1000], seconds=[0.010, 0.010 + 999 * 0.0001])
+    policies = [ConfidenceScheduler(LINEAR), ConfidenceScheduler(cheap), ConfidenceScheduler(cheap, padded=False),
+                ThresholdVerify(0.5)]
+    answers = []
+    for trial in range(400):
+        policy = policies[trial % len(policies)]
+        rows = int(torch.randint(1, 9, (1,), generator=generator))
+        confidence = torch.rand(rows, 5, generator=generator) ** float(torch.rand(1, generator=generator) * 4)
+        caps = torch.randint(0, 6, (rows,), generator=generator)
+        answer = policy.admits_any(caps, confidence[:, 0])
+        assert answer == bool(policy.lengths(caps, confidence).max() > 0), trial
+        answers.append(answer)
+    assert 0.2 < sum(answers) / len(answers) < 0.8  # both answers were exercised
+
+
 def test_confidence_policy_needs_a_confidence_head(target):
     with pytest.raises(DominoError, match="confidence head"):
         DecodingEngine(target, tiny_drafter(target), policy=ThresholdVerify())
