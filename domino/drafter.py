@@ -92,11 +92,17 @@ class ContextCache:
     """Per draft layer, the keys and values of the context (n, kv_heads, slots, head_dim). Only
     committed tokens' features are attended to; a drafted block is never cached. In a batch of
     requests, rows hold different numbers of tokens: `valid` (n, slots) marks the slots that count
-    (None: all of them)."""
+    (None: all of them).
+
+    Features can also be `stage`d: kept as they are and turned into keys and values only by
+    `catch_up`, which every draft runs first. Rounds that decode plainly (the speculation gate shut)
+    then cost the drafter one list append instead of a projection and a copy of the whole cache."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     valid: torch.Tensor | None = None
+    project: Callable[[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (features, positions)
 
     @property
     def length(self) -> int:
@@ -104,6 +110,30 @@ class ContextCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[i], self.values[i]
+
+    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append every layer's keys and values for new slots."""
+        if not self.keys:
+            self.keys, self.values = [k for k, _ in new], [v for _, v in new]
+            return
+        for i, (k, v) in enumerate(new):
+            self.keys[i] = torch.cat([self.keys[i], k], dim=2)
+            self.values[i] = torch.cat([self.values[i], v], dim=2)
+
+    def stage(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append features (n, t, n_layers * D) at `positions` (n, t), projecting them later."""
+        self.staged.append((features, positions))
+
+    def catch_up(self) -> None:
+        """Project the staged features (with `project`, the drafter's `context_kv`) into the cache."""
+        if self.staged:
+            features, positions = (torch.cat(parts, dim=1) for parts in zip(*self.staged))
+            self.staged = []
+            self.append(self.project(features, positions))
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` of the staged features (the caller indexes keys, values and valid)."""
+        self.staged = [(features[rows], positions[rows]) for features, positions in self.staged]
 
 
 @dataclass
@@ -167,13 +197,7 @@ class Drafter(nn.Module):
     def extend_context(self, cache: ContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache (the caller
         keeps `cache.valid` in step when rows differ)."""
-        new = self.context_kv(features, positions)
-        if not cache.keys:
-            cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
-            return
-        for i, (k, v) in enumerate(new):
-            cache.keys[i] = torch.cat([cache.keys[i], k], dim=2)
-            cache.values[i] = torch.cat([cache.values[i], v], dim=2)
+        cache.append(self.context_kv(features, positions))
 
     @torch.no_grad()
     def draft(self, cache: ContextCache, anchors: torch.Tensor, sampling: RowSampling,
@@ -186,6 +210,7 @@ class Drafter(nn.Module):
         `screen` (drafters with a confidence head) sees the first position's survival estimates (n,),
         which need no logits, and answers whether any draft is worth verifying. When none is, the round
         ends there (None), skipping the LM head over n x B positions: at large batch the costliest part."""
+        cache.catch_up()
         n, block = anchors.shape[0], self.config.block_size
         offsets = torch.arange(block, device=anchors.device)
         if positions is None:

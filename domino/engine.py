@@ -108,7 +108,7 @@ class DecodingEngine:
         context = None
         if isinstance(self.drafter, Drafter):
             begin = time.perf_counter()
-            context = ContextCache()
+            context = ContextCache(project=self.drafter.context_kv)
             self.drafter.extend_context(context, out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
             state.stats.draft_s += time.perf_counter() - begin
         tokens, text = state.commit([int(first)])
@@ -195,7 +195,7 @@ class DecodingEngine:
         verified = time.perf_counter()
 
         if isinstance(self.drafter, Drafter):
-            self.drafter.extend_context(self.caches.context, out.features, positions[:, None] + offsets)
+            self.caches.context.stage(out.features, positions[:, None] + offsets)  # projected when next drafted
         self.caches.settle(offsets < 1 + accepted[:, None])
         settled = time.perf_counter()
         self.policy.observe(tried, len(states), int(accepted.sum()) + len(states), settled - start)

@@ -4,7 +4,9 @@ The target's KV cache (a transformers DynamicCache) and the drafter's context ca
 layout: slot t of row r holds the same token in both, and `valid` (n, slots) marks the slots that
 count. A round appends the same number of slots to every row (rows verify different numbers of
 drafts and keep different numbers); slots a row did not keep become holes that attention masks out.
-`compact` squeezes the holes out once they pile up, and rows join and leave between rounds.
+`compact` squeezes the holes out once they pile up, and rows join and leave between rounds. The
+drafter's cache may lag behind, holding features it has not projected yet (ContextCache.stage); it
+catches up before it drafts and before any change of slot layout.
 Positions are passed explicitly, so a row's slot index never has to equal its token position.
 """
 
@@ -65,11 +67,20 @@ class BatchCaches:
         if self.context is not None:
             self.context.valid = self.valid
 
+    def catch_up(self) -> None:
+        """Bring the drafter's staged features into its cache, so both caches cover every slot."""
+        if self.context is not None:
+            self.context.catch_up()
+
     def keep_rows(self, rows: torch.Tensor) -> None:
+        if self.context is not None:
+            self.context.keep_rows(rows)
         self._map(lambda t: t[rows], self.valid[rows])
 
     def append_rows(self, other: "BatchCaches") -> None:
         """Add the rows of `other` (requests joining the batch), padding the shorter side with holes."""
+        self.catch_up()
+        other.catch_up()
         slots = max(self.valid.shape[1], other.valid.shape[1])
 
         def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -87,6 +98,7 @@ class BatchCaches:
         longest = int(counts.max())
         if self.valid.shape[1] <= slack * longest + 16:
             return
+        self.catch_up()
         order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :longest]
         index = order[:, None, :, None]
         valid = torch.arange(longest, device=counts.device) < counts[:, None]
