@@ -12,6 +12,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,10 +222,14 @@ class Target:
         `layer_ids` selects which layers' outputs come back as `features` (0-based layer index);
         `final_hidden` also returns the normalised last hidden state that feeds the LM head."""
         check_layer_ids(list(layer_ids), self.num_layers)
+        inputs = dict(input_ids=input_ids, cache=cache, use_cache=cache is not None, attention_mask=attention_mask,
+                      position_ids=position_ids)
+        if self._hookable(layer_ids, final_hidden):
+            with self._layer_outputs(layer_ids) as features:
+                out = self.model(**inputs)
+            return TargetOutput(logits=out.logits, features=features(), final_hidden=None)
         want_hidden = bool(layer_ids) or final_hidden
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None,
-                         attention_mask=attention_mask, position_ids=position_ids,
-                         output_hidden_states=want_hidden)
+        out = self.model(**inputs, output_hidden_states=want_hidden)
         features, last = chosen_layers(out.hidden_states, layer_ids, final_hidden) if want_hidden else (None, None)
         return TargetOutput(logits=out.logits, features=features, final_hidden=last)
 
@@ -236,13 +242,30 @@ class Target:
         another thread is running at the same time."""
         check_layer_ids(list(layer_ids), self.num_layers)
         base = self.model.base_model  # the model without its LM head
-        layers = getattr(base, "layers", None)
-        # the last layer's output is read after the final norm; architectures without a `layers` list
-        # (GPT-2's is `h`) run whole
-        if final_hidden or not layer_ids or self.num_layers - 1 in layer_ids or layers is None:
+        if not self._hookable(layer_ids, final_hidden):
             out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
             features, last = chosen_layers(out.hidden_states, layer_ids, final_hidden)
             return TargetOutput(logits=None, features=features, final_hidden=last)
+        depth, self.config.num_hidden_layers = self.config.num_hidden_layers, max(layer_ids) + 1
+        try:
+            with self._layer_outputs(layer_ids) as features:
+                base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            self.config.num_hidden_layers = depth
+        return TargetOutput(logits=None, features=features(), final_hidden=None)
+
+    def _hookable(self, layer_ids, final_hidden: bool) -> bool:
+        """Whether the chosen layers' outputs can be taken by hooks. The last layer's output is read
+        after the final norm, and architectures without a `layers` list (GPT-2's is `h`) are not
+        hooked: those go through `output_hidden_states`."""
+        return (bool(layer_ids) and not final_hidden and self.num_layers - 1 not in layer_ids
+                and getattr(self.model.base_model, "layers", None) is not None)
+
+    @contextmanager
+    def _layer_outputs(self, layer_ids) -> Iterator[Callable[[], torch.Tensor]]:
+        """Hooks that keep the chosen layers' outputs while the block runs; yields a function that
+        concatenates them. Cheaper than `output_hidden_states`, which made a 32-row decode step about
+        2 % slower on CPU (docs/benchmarks.md, batched decoding)."""
         outputs: dict[int, torch.Tensor] = {}
 
         def keep(layer_id: int):
@@ -250,15 +273,13 @@ class Target:
                 outputs[layer_id] = output[0] if isinstance(output, tuple) else output
             return hook
 
+        layers = self.model.base_model.layers
         hooks = [layers[i].register_forward_hook(keep(i)) for i in set(layer_ids)]
-        depth, self.config.num_hidden_layers = self.config.num_hidden_layers, max(layer_ids) + 1
         try:
-            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            yield lambda: torch.cat([outputs[i] for i in layer_ids], dim=-1)
         finally:
-            self.config.num_hidden_layers = depth
             for hook in hooks:
                 hook.remove()
-        return TargetOutput(logits=None, features=torch.cat([outputs[i] for i in layer_ids], dim=-1), final_hidden=None)
 
     # -- text ----------------------------------------------------------------------------------
     @property

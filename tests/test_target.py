@@ -9,7 +9,7 @@ import torch
 from transformers import BertConfig, T5Config
 
 from domino.errors import DominoError
-from domino.target import Target, check_layer_ids, resolve_target, select_layer_ids
+from domino.target import Target, check_layer_ids, chosen_layers, resolve_target, select_layer_ids
 from helpers import tiny_target
 
 
@@ -52,6 +52,9 @@ def test_features_are_the_chosen_layer_outputs_and_cache_is_consistent():
     reference = target.model(ids, output_hidden_states=True)
     assert torch.equal(full.features, torch.cat([reference.hidden_states[2], reference.hidden_states[4]], -1))
     assert torch.allclose(target.lm_head(full.final_hidden), full.logits, atol=1e-5)
+    hooked = target.forward(ids, layer_ids=[3, 1])  # without final_hidden the layers are read by hooks
+    assert torch.equal(hooked.features, torch.cat([reference.hidden_states[4], reference.hidden_states[2]], -1))
+    assert torch.equal(hooked.logits, full.logits)
     # prefill + incremental steps give the same logits and features as one full pass
     cache = target.new_cache()
     first = target.forward(ids[:, :7], cache, layer_ids=[1, 3])
@@ -73,11 +76,12 @@ def test_training_features_equal_forward_and_skip_the_layers_past_the_deepest():
         out = target.features(ids, layer_ids, final_hidden=final_hidden, attention_mask=attention)
         deepest = 5 if final_hidden or 5 in layer_ids else max(layer_ids)
         assert ran == list(range(deepest + 1))  # in order, once each, and never the LM head
-        reference = target.forward(ids, layer_ids=layer_ids, final_hidden=final_hidden, attention_mask=attention)
-        assert out.logits is None and torch.equal(out.features, reference.features)
+        hidden = target.model(ids, attention_mask=attention, output_hidden_states=True).hidden_states
+        features, last = chosen_layers(hidden, layer_ids, final_hidden)
+        assert out.logits is None and torch.equal(out.features, features)
         assert (out.final_hidden is None) == (not final_hidden)
         if final_hidden:
-            assert torch.equal(out.final_hidden, reference.final_hidden)
+            assert torch.equal(out.final_hidden, last)
         assert target.num_layers == 6
     for hook in hooks:
         hook.remove()
