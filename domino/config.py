@@ -29,6 +29,7 @@ class DrafterConfig:
     head: str = "domino"
     confidence_head: bool = False
     num_layers: int = 1
+    draft_vocab_size: int = 0  # tokens the drafter scores (its most frequent in training); 0: the target's whole vocabulary
     rank: int = 256  # low rank of the head's logit residual
     gru_hidden: int = 256  # state size of the Domino GRU / DSpark RNN head
     num_attention_heads: int = 8
@@ -59,6 +60,9 @@ class DrafterConfig:
                 )
         if not 0 <= self.mask_token_id < self.target_vocab_size:
             raise DominoError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.target_vocab_size - 1})")
+        if not (self.draft_vocab_size == 0 or 2 <= self.draft_vocab_size <= self.target_vocab_size):
+            raise DominoError(f"draft_vocab_size must be 0 (the whole vocabulary) or between 2 and the target's "
+                              f"{self.target_vocab_size}, got {self.draft_vocab_size}")
         for name in ("rank", "gru_hidden", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise DominoError(f"{name} must be positive, got {getattr(self, name)}")
@@ -68,6 +72,11 @@ class DrafterConfig:
     @property
     def hidden_size(self) -> int:
         return self.target_hidden_size
+
+    @property
+    def draft_vocab(self) -> int:
+        """How many tokens the drafter's LM head scores."""
+        return self.draft_vocab_size or self.target_vocab_size
 
     @classmethod
     def for_target(cls, target: "Target", num_layers: int = 1, layer_ids: list[int] | None = None,

@@ -138,8 +138,8 @@ class ContextCache:
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # (n, B): proposals for the B positions after the anchor
-    probs: torch.Tensor | None  # (n, B, vocab): the distribution each proposal was drawn from (None if greedy)
+    tokens: torch.Tensor  # (n, B): proposals (target ids) for the B positions after the anchor
+    probs: torch.Tensor | None  # (n, B, target vocab): the distribution each proposal was drawn from (None if greedy)
     confidence: torch.Tensor | None  # (n, B): survival probabilities, when the drafter has a confidence head
 
 
@@ -158,14 +158,63 @@ class Drafter(nn.Module):
         self.head = build_head(config)
         self.confidence = ConfidenceHead(config) if config.confidence_head else None
         self.target_modules = (embed_tokens, lm_head)  # a tuple, so torch does not register them
+        self.register_buffer("draft_to_target", None)  # draft id -> target id, with a reduced draft vocabulary
+        if config.draft_vocab_size:  # saved with the checkpoint; the LM head's rows it picks are not
+            self.draft_to_target = torch.arange(config.draft_vocab_size, device=lm_head.weight.device)
+            self.register_buffer("head_rows", torch.empty(0), persistent=False)
+            self.register_load_state_dict_post_hook(lambda module, keys: module._pick_head_rows())
+            self._pick_head_rows()
 
     # -- shared target pieces --------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target_modules[0](ids).to(self.fc.weight.dtype)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (the target's whole one unless it is reduced)."""
         head = self.target_modules[1]
-        return head(h.to(head.weight.dtype)).float()
+        if self.draft_to_target is None:
+            return head(h.to(head.weight.dtype)).float()
+        bias = None if head.bias is None else head.bias[self.draft_to_target]
+        return F.linear(h.to(self.head_rows.dtype), self.head_rows, bias).float()
+
+    # -- the reduced draft vocabulary (FR-Spec / EAGLE-3) ------------------------------------------
+    def set_draft_vocabulary(self, target_ids: torch.Tensor) -> None:
+        """Score only `target_ids` (draft id i stands for target id target_ids[i]): the LM head and the
+        head's residual shrink from the target's vocabulary to these tokens."""
+        size, vocab = self.config.draft_vocab_size, self.config.target_vocab_size
+        target_ids = torch.as_tensor(target_ids, dtype=torch.long)
+        if not size or target_ids.shape != (size,):
+            raise DominoError(f"the draft vocabulary must hold draft_vocab_size={size} target ids, got {tuple(target_ids.shape)}")
+        if target_ids.min() < 0 or target_ids.max() >= vocab or len(target_ids.unique()) != size:
+            raise DominoError(f"the draft vocabulary must be {size} distinct target ids in 0..{vocab - 1}")
+        self.draft_to_target.copy_(target_ids)
+        self._pick_head_rows()
+
+    def _pick_head_rows(self) -> None:
+        weight = self.target_modules[1].weight
+        self.head_rows = weight.detach()[self.draft_to_target.to(weight.device)].to(self.draft_to_target.device)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids of target tokens; -100 (cross-entropy's ignore index) for tokens outside the draft vocabulary."""
+        if self.draft_to_target is None:
+            return target_ids
+        lookup = target_ids.new_full((self.config.target_vocab_size,), -100)
+        lookup[self.draft_to_target] = torch.arange(len(self.draft_to_target), device=target_ids.device)
+        return lookup[target_ids]
+
+    def on_draft_vocabulary(self, target_probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the target's vocabulary (…, V) restricted to the draft vocabulary (…, N)."""
+        return target_probs if self.draft_to_target is None else target_probs[..., self.draft_to_target]
+
+    def on_target_vocabulary(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft vocabulary (…, N) as one over the target's (…, V): zero outside."""
+        if self.draft_to_target is None:
+            return draft_probs
+        full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.config.target_vocab_size)
+        return full.index_copy_(-1, self.draft_to_target, draft_probs)
 
     # -- backbone ----------------------------------------------------------------------------------
     def _rotary(self, positions: torch.Tensor):
@@ -238,12 +287,13 @@ class Drafter(nn.Module):
             if self.head is not None:
                 z, state = self.head.step(k, h[:, k], prev, prev_embed, state)
                 logits = logits + self.head.out(z).float()
-            prev, p = sampling.choose(logits)
+            choice, p = sampling.choose(logits)
+            prev = self.to_target_ids(choice)
             tokens.append(prev)
             probs.append(p)
         return Draft(
             tokens=torch.stack(tokens, dim=1),
-            probs=None if sampling.all_greedy else torch.stack(probs, dim=1),
+            probs=None if sampling.all_greedy else self.on_target_vocabulary(torch.stack(probs, dim=1)),
             confidence=torch.stack(confidence, dim=1) if confidence else None,
         )
 

@@ -3,7 +3,7 @@
 The backbone drafts every block position at once, so position k cannot see which token was drafted
 at k-1. A head restores that dependency cheaply: it reads the drafted prefix and adds a low-rank
 residual to the base logits, final_k = base_k + W2 z_k. Every head produces the codes z_k (rank r);
-W2 (r -> vocab) is shared code in `LogitHead`.
+W2 (r -> draft vocabulary) is shared code in `LogitHead`.
 
 Position convention (0-based k over the B block positions): `prev_tokens[:, k]` is the token before
 draft position k, i.e. the anchor at k = 0 and the k-th drafted (or, in training, ground-truth) token
@@ -21,7 +21,7 @@ from domino.config import DrafterConfig
 
 
 class LogitHead(nn.Module):
-    """Base class: codes (…, r) -> logit residual (…, vocab). W2 starts at zero, so an untrained head
+    """Base class: codes (…, r) -> logit residual (…, draft vocabulary). W2 starts at zero, so an untrained head
     leaves the base logits unchanged."""
 
     def __init__(self, rank: int, vocab_size: int):
@@ -47,7 +47,7 @@ class DominoHead(LogitHead):
     The first position has no drafted prefix and keeps its base logits (z_0 = 0)."""
 
     def __init__(self, config: DrafterConfig):
-        super().__init__(config.rank, config.target_vocab_size)
+        super().__init__(config.rank, config.draft_vocab)
         self.gru = nn.GRU(config.hidden_size, config.gru_hidden, batch_first=True)
         self.proj = nn.Linear(config.hidden_size + config.gru_hidden, config.rank, bias=False)
 
@@ -70,7 +70,7 @@ class MarkovHead(LogitHead):
     """DSpark's Markov head: a low-rank bigram table, z_k = E[x_{k-1}]."""
 
     def __init__(self, config: DrafterConfig):
-        super().__init__(config.rank, config.target_vocab_size)
+        super().__init__(config.rank, config.draft_vocab)
         self.embed = nn.Embedding(config.target_vocab_size, config.rank)
 
     def codes(self, h, prev_tokens, prev_embeds):
@@ -85,7 +85,7 @@ class RNNHead(LogitHead):
     s_k = g * s_{k-1} + (1 - g) * tanh(W_c z), g = sigmoid(W_g z), and codes tanh(W_o z)."""
 
     def __init__(self, config: DrafterConfig):
-        super().__init__(config.rank, config.target_vocab_size)
+        super().__init__(config.rank, config.draft_vocab)
         self.embed = nn.Embedding(config.target_vocab_size, config.rank)
         width = config.gru_hidden + config.rank + config.hidden_size
         self.gate = nn.Linear(width, config.gru_hidden)

@@ -90,9 +90,9 @@ class PackedBlocks:
     """Every block of a packed batch, flattened to (n = b * m, B, ...)."""
 
     hidden: torch.Tensor  # (n, B, D) backbone output
-    labels: torch.Tensor  # (n, B) the tokens each position must predict
+    labels: torch.Tensor  # (n, B) the tokens (target ids) each position must predict
     trained: torch.Tensor  # (n, B) positions whose label exists and is a response token
-    prev_tokens: torch.Tensor  # (n, B) the token before each position: anchor, then ground truth
+    prev_tokens: torch.Tensor  # (n, B) the data's token before each position: anchor, then ground truth
     rows: torch.Tensor  # (n, B) which sequence of the batch each block came from
     positions: torch.Tensor  # (n, B) sequence position of each block slot
 
@@ -105,8 +105,10 @@ class ObjectiveOutput:
 
 class DraftingObjective(nn.Module):
     """The drafter plus its loss, as one module whose forward returns the loss (the shape DeepSpeed
-    wraps). `batch` holds input_ids (b, T), loss_mask (b, T), lengths (b,), features (b, T, n*D) and,
-    for distillation, final_hidden (b, T, D)."""
+    wraps). `batch` holds input_ids (b, T), loss_mask (b, T), lengths (b,), features (b, T, n*D), for
+    distillation final_hidden (b, T, D), and optionally target_next (b, T): the target's greedy choice
+    after each position, which then replaces the data's next token as the label (the heads still read
+    the data's tokens, which is what the target's choice was conditioned on)."""
 
     def __init__(self, drafter: Drafter, config: ObjectiveConfig, seed: int = 0):
         super().__init__()
@@ -128,10 +130,13 @@ class DraftingObjective(nn.Module):
         mask = packed_block_mask(anchors, valid, t, block)
         h = drafter.backbone(block_ids.reshape(b, m * block), positions.reshape(b, m * block), context_kv, mask)
 
-        # labels: the B tokens after each anchor; trained where they exist and are response tokens
+        # the B tokens after each anchor; trained where they exist and are response tokens
         label_pos = (positions + 1).reshape(b, m * block)
         clamped = label_pos.clamp(max=t - 1)
-        labels = ids.gather(1, clamped).reshape(b * m, block)
+        following = ids.gather(1, clamped).reshape(b * m, block)
+        labels = following
+        if "target_next" in batch:  # the target's own choice after each slot, given the data before it
+            labels = batch["target_next"].gather(1, clamped - 1).reshape(b * m, block)
         trained = (loss_mask.gather(1, clamped) & (label_pos < lengths[:, None])).reshape(b * m, block)
         trained &= valid.reshape(b * m, 1)
         rows = torch.arange(b, device=ids.device)[:, None, None].expand(b, m, block)
@@ -139,7 +144,7 @@ class DraftingObjective(nn.Module):
             hidden=h.reshape(b * m, block, -1),
             labels=labels,
             trained=trained,
-            prev_tokens=torch.cat([block_ids.reshape(b * m, block)[:, :1], labels[:, :-1]], dim=1),
+            prev_tokens=torch.cat([block_ids.reshape(b * m, block)[:, :1], following[:, :-1]], dim=1),
             rows=rows.reshape(b * m, block),
             positions=positions.reshape(b * m, block),
         )
@@ -151,7 +156,8 @@ class DraftingObjective(nn.Module):
         device = batch["input_ids"].device
         packed = self.pack(batch, anchors.to(device), valid.to(device))
         h, trained, prev_tokens = packed.hidden, packed.trained, packed.prev_tokens
-        target_labels = packed.labels[trained]
+        # labels outside a reduced draft vocabulary (-100) cannot be drafted: no cross-entropy, never correct
+        target_labels = drafter.to_draft_ids(packed.labels[trained])
         prev_embeds = drafter.embed(prev_tokens)
 
         # logits only where a label is trained: the vocab projection dominates memory
@@ -165,10 +171,10 @@ class DraftingObjective(nn.Module):
         def weighted_mean(values: torch.Tensor) -> torch.Tensor:
             return (values * weights).sum() / weights.sum().clamp(min=1e-6)
 
-        ce_final = weighted_mean(F.cross_entropy(final, target_labels, reduction="none"))
+        ce_final = weighted_mean(F.cross_entropy(final, target_labels, reduction="none", ignore_index=-100))
         ce = ce_final
         if drafter.head is not None and curriculum_lambda > 0:
-            ce_base = weighted_mean(F.cross_entropy(base, target_labels, reduction="none"))
+            ce_base = weighted_mean(F.cross_entropy(base, target_labels, reduction="none", ignore_index=-100))
             ce = (1 - curriculum_lambda) * ce_final + curriculum_lambda * ce_base
         metrics = {"ce": ce_final.detach()}
 
@@ -177,8 +183,10 @@ class DraftingObjective(nn.Module):
         if cfg.distill:
             with torch.no_grad():  # the target's own next-token distribution at each block position
                 target_hidden = batch["final_hidden"][packed.rows[trained], packed.positions[trained]]
-                p_target = torch.softmax(drafter.lm_head(target_hidden), dim=-1)
-            tv = 0.5 * (torch.softmax(final, dim=-1) - p_target).abs().sum(dim=-1)
+                head = drafter.target_modules[1]
+                p_target = drafter.on_draft_vocabulary(torch.softmax(head(target_hidden.to(head.weight.dtype)).float(), dim=-1))
+            # the target's mass outside a reduced draft vocabulary is distance the drafter cannot close
+            tv = 0.5 * ((torch.softmax(final, dim=-1) - p_target).abs().sum(dim=-1) + (1 - p_target.sum(dim=-1)))
             loss = 0.1 * ce + 0.9 * weighted_mean(tv)
             metrics["tv"] = weighted_mean(tv).detach()
         if drafter.confidence is not None:

@@ -84,14 +84,16 @@ class Regenerate(TargetActor):
 class TargetFeatures(TargetActor):
     """One padded target forward per batch, only as deep as the chosen layers need; per sequence, the
     chosen layers' features (and the final hidden state when the loss distils the target's
-    distribution), cut back to its own length.
+    distribution; and with `target_labels` the target's greedy next token at every position, for which
+    the forward runs the whole target and its LM head), cut back to its own length.
     `target_seconds` is each sequence's share of the forward time: summed by the trainers, it gives
     the producers' own throughput, separate from any time they spend waiting on the trainers."""
 
     def __init__(self, target_path: str, cpus: float, gpus: float, layer_ids: list[int], final_hidden: bool,
-                 dtype: str):
+                 dtype: str, target_labels: bool = False):
         super().__init__(target_path, cpus, gpus)
         self.layer_ids, self.final_hidden, self.dtype = layer_ids, final_hidden, dtype
+        self.target_labels = target_labels
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
@@ -104,10 +106,14 @@ class TargetFeatures(TargetActor):
             ids[i, : lengths[i]] = torch.from_numpy(np.asarray(sequence, dtype=np.int64))
             attention[i, : lengths[i]] = 1
         device = self.target.device
-        out = self.target.features(ids.to(device), layer_ids=self.layer_ids, final_hidden=self.final_hidden,
-                                   attention_mask=attention.to(device))
+        run = self.target.forward if self.target_labels else self.target.features
+        out = run(ids.to(device), layer_ids=self.layer_ids, final_hidden=self.final_hidden,
+                  attention_mask=attention.to(device))
         result = {"input_ids": sequences, "loss_mask": list(batch["loss_mask"]),
                   "features": [to_numpy(out.features[i, :n], self.dtype) for i, n in enumerate(lengths)]}
+        if self.target_labels:
+            choice = out.logits.argmax(dim=-1).to(torch.int32).cpu()
+            result["target_next"] = [choice[i, :n].numpy() for i, n in enumerate(lengths)]
         if self.final_hidden:
             result["final_hidden"] = [to_numpy(out.final_hidden[i, :n], self.dtype) for i, n in enumerate(lengths)]
         seconds = time.perf_counter() - start
@@ -131,6 +137,6 @@ def with_features(rows: ray.data.Dataset, cfg: PipelineConfig, target_path: str,
     return rows.map_batches(
         TargetFeatures, fn_constructor_kwargs=dict(
             target_path=target_path, cpus=cfg.feature_cpus, gpus=cfg.feature_gpus, layer_ids=layer_ids,
-            final_hidden=cfg.distill, dtype=cfg.feature_dtype),
+            final_hidden=cfg.distill, dtype=cfg.feature_dtype, target_labels=cfg.labels == "target"),
         compute=ray.data.ActorPoolStrategy(size=cfg.feature_actors), batch_size=cfg.feature_batch_size,
         num_cpus=cfg.feature_cpus, num_gpus=cfg.feature_gpus, batch_format="numpy")

@@ -72,8 +72,17 @@ def bad_drafter(target):
     return drafter
 
 
+def reduced_drafter(target):
+    """A draft vocabulary of half the tokens: q is zero on the others, which only the residual reaches."""
+    drafter = tiny_drafter(target, head="domino", block_size=2, seed=6, draft_vocab_size=3).double()
+    drafter.set_draft_vocabulary(torch.tensor([0, 2, 5]))
+    torch.nn.init.normal_(drafter.head.out.weight, std=2.0)
+    return drafter
+
+
 DRAFTERS = {
     "domino": lambda t: tiny_drafter(t, head="domino", block_size=2, seed=3).double(),
+    "reduced": reduced_drafter,
     "bad": bad_drafter,
     "markov": lambda t: tiny_drafter(t, head="markov", block_size=2, seed=4).double(),
 }
@@ -83,6 +92,7 @@ DRAFTERS = {
     ("domino", SamplingParams(temperature=1.0)),
     ("bad", SamplingParams(temperature=1.5, top_p=0.9, top_k=4)),
     ("markov", SamplingParams(temperature=1.3)),
+    ("reduced", SamplingParams(temperature=1.0)),
 ])
 def test_generated_tokens_follow_the_target_distribution(target, name, params):
     drafter = DRAFTERS[name](target)

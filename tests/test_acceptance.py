@@ -1,0 +1,117 @@
+"""The engine's drafts equal drafts computed from scratch (one full target forward over the finished
+sequence): the drafter's context cache, grown round by round through holes, staged rounds, compaction,
+joins and retirements, holds exactly the context it should. Greedy exactness cannot see a bug here (it
+would only lower tau), so this compares the drafts themselves: tokens exactly, confidences to 1e-9."""
+
+import torch
+
+from domino.acceptance import drafts_from_scratch, greedy_accepted
+from domino.engine import DecodingEngine
+from domino.requests import GenerationConfig
+from domino.scheduler import FullVerify
+from helpers import tiny_drafter, tiny_target
+from test_decoding import random_prompts
+from test_engine import run_batch
+
+VOCAB = 96
+
+
+def bigram_target():
+    """Layers scaled to zero: the target's greedy next token depends on the current token only."""
+    target = tiny_target(layer_scale=0.0, seed=2)
+    target.model.double()
+    return target
+
+
+def next_token_table(target) -> torch.Tensor:
+    with torch.no_grad():
+        return target.model(torch.arange(VOCAB)[:, None]).logits[:, 0].argmax(-1)
+
+
+def mostly_right_drafter(target, wrong_fraction: float = 0.3):
+    """A Markov head that knows the target's next-token table except for a share of the tokens, so rounds
+    accept every number of drafts; the backbone's own logits and its confidences still read the context."""
+    drafter = tiny_drafter(target, head="markov", rank=VOCAB, block_size=6, confidence_head=True, seed=4).double()
+    table = next_token_table(target)
+    wrong = torch.rand(VOCAB, generator=torch.Generator().manual_seed(0)) < wrong_fraction
+    table = torch.where(wrong, (table + 1) % VOCAB, table)
+    with torch.no_grad():
+        drafter.head.embed.weight.copy_(torch.eye(VOCAB, dtype=torch.float64))
+        drafter.head.out.weight.zero_()
+        drafter.head.out.weight[table, torch.arange(VOCAB)] = 1000.0
+    return drafter
+
+
+class RecordingEngine(DecodingEngine):
+    """Keeps every row's anchor position, draft tokens and confidences, round by round, and whether the
+    caches ever held holes and were compacted."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorded: list[tuple[str, int, torch.Tensor, torch.Tensor]] = []
+        self.saw_holes = self.compacted = False
+
+    def _round(self):
+        width = self.caches.valid.shape[1]
+        events = super()._round()
+        if self.caches is not None:
+            self.saw_holes |= not bool(self.caches.valid.all())
+            self.compacted |= self.caches.valid.shape[1] < width
+        return events
+
+    def _propose(self, states, anchors, positions, sampling, caps):
+        draft = super()._propose(states, anchors, positions, sampling, caps)
+        if draft is not None:
+            for r, request_id in enumerate(self.ids):
+                self.recorded.append((request_id, int(positions[r]), draft.tokens[r], draft.confidence[r]))
+        return draft
+
+
+class EveryThirdRoundPlain(FullVerify):
+    """Shuts the speculation gate every third round, so the drafter's features wait staged."""
+
+    def __init__(self):
+        self.rounds = 0
+
+    def wants_draft(self, rows: int) -> bool:
+        self.rounds += 1
+        return self.rounds % 3 != 0
+
+
+def test_engine_drafts_equal_drafts_from_scratch():
+    target = bigram_target()
+    drafter = mostly_right_drafter(target)
+    engine = RecordingEngine(target, drafter, policy=EveryThirdRoundPlain())
+    prompts = list(random_prompts(5, seed=7))
+    requests = {f"r{i}": (p, GenerationConfig(max_new_tokens=30 + 25 * (i % 3), stop_token_ids=[]))
+                for i, p in enumerate(prompts)}
+    got = run_batch(engine, requests, join_at={"r3": 4, "r4": 9})
+    assert engine.saw_holes and engine.compacted
+
+    accepted_lengths = set()
+    for request_id, (prompt, _) in requests.items():
+        sequence = torch.tensor(prompt + got[request_id])
+        features = target.forward(sequence[None], layer_ids=drafter.config.target_layer_ids).features
+        rounds = [(p, tokens, confidence) for rid, p, tokens, confidence in engine.recorded if rid == request_id]
+        assert len(rounds) > 3
+        anchors = torch.tensor([p for p, _, _ in rounds])
+        reference = drafts_from_scratch(drafter, features, sequence, anchors)
+        for i, (position, tokens, confidence) in enumerate(rounds):
+            assert torch.equal(tokens, reference.tokens[i]), (request_id, position)
+            assert torch.allclose(confidence, reference.confidence[i], rtol=0, atol=1e-9), (request_id, position)
+        accepted_lengths.update(greedy_accepted(drafter, features, sequence, anchors).tolist())
+    assert len(accepted_lengths) >= 4  # rounds accepted many different numbers of drafts
+
+
+def test_greedy_accepted_counts_leading_matches():
+    target = bigram_target()
+    drafter = mostly_right_drafter(target, wrong_fraction=0.0)
+    table = next_token_table(target)
+    sequence = [5]
+    for _ in range(20):
+        sequence.append(int(table[sequence[-1]]))
+    sequence = torch.tensor(sequence)
+    features = target.forward(sequence[None], layer_ids=drafter.config.target_layer_ids).features
+    accepted = greedy_accepted(drafter, features, sequence, torch.arange(0, 20))
+    # every draft matches the target's chain; only the text's end cuts the count
+    assert accepted.tolist() == [min(6, 20 - a) for a in range(20)]
