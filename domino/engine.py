@@ -101,7 +101,7 @@ class DecodingEngine:
         target = self.target
         prompt = torch.tensor([state.prompt], device=target.device)
         cache = target.new_cache()
-        out = target.forward(prompt, cache, layer_ids=self.layer_ids)
+        out = target.forward(prompt, cache, layer_ids=self.layer_ids, last_logits_only=True)
         first, _ = RowSampling([state.config.sampling], [state.generator]).choose(out.logits[:, -1])
         state.stats.prefill_s = time.perf_counter() - start
 

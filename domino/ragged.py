@@ -3,7 +3,8 @@
 The target's KV cache (a transformers DynamicCache) and the drafter's context cache share one slot
 layout: slot t of row r holds the same token in both, and `valid` (n, slots) marks the slots that
 count. A round appends the same number of slots to every row (rows verify different numbers of
-drafts and keep different numbers); slots a row did not keep become holes that attention masks out.
+drafts and keep different numbers); slots a row did not keep become holes that attention masks out
+(slots that no row kept leave at once).
 `compact` squeezes the holes out once they pile up, and rows join and leave between rounds. The
 drafter's cache may lag behind, holding features it has not projected yet (ContextCache.stage); it
 catches up before it drafts and before any change of slot layout.
@@ -62,7 +63,17 @@ class BatchCaches:
         return torch.cat([self.valid, new_valid], dim=1)
 
     def settle(self, kept: torch.Tensor) -> None:
-        """After a forward appended kept.shape[1] slots to both caches: which of them the rows keep."""
+        """After a forward appended kept.shape[1] slots to both caches: which of them the rows keep. Each
+        row keeps a prefix of the new slots, so those past the longest kept prefix are holes in every row:
+        they leave the caches at once (at batch 1, that is every rejected slot) instead of waiting for
+        `compact`. The drafter's share of those slots is still staged, and is cut there."""
+        drop = kept.shape[1] - int(kept.sum(dim=1).max())
+        if drop:
+            self.target.crop(-drop)
+            if self.context is not None:
+                features, positions = self.context.staged[-1]
+                self.context.staged[-1] = (features[:, :-drop], positions[:, :-drop])
+            kept = kept[:, :-drop]
         self.valid = torch.cat([self.valid, kept], dim=1)
         if self.context is not None:
             self.context.valid = self.valid

@@ -216,14 +216,15 @@ class Target:
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
                 layer_ids: list[int] | tuple[int, ...] = (), final_hidden: bool = False,
                 attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> TargetOutput:
+                position_ids: torch.Tensor | None = None, last_logits_only: bool = False) -> TargetOutput:
         """Run the target on `input_ids` (appending to `cache` when given).
 
         `layer_ids` selects which layers' outputs come back as `features` (0-based layer index);
-        `final_hidden` also returns the normalised last hidden state that feeds the LM head."""
+        `final_hidden` also returns the normalised last hidden state that feeds the LM head;
+        `last_logits_only` runs the LM head on the last position only (a prefill needs no more)."""
         check_layer_ids(list(layer_ids), self.num_layers)
         inputs = dict(input_ids=input_ids, cache=cache, use_cache=cache is not None, attention_mask=attention_mask,
-                      position_ids=position_ids)
+                      position_ids=position_ids, logits_to_keep=1 if last_logits_only else 0)
         if self._hookable(layer_ids, final_hidden):
             with self._layer_outputs(layer_ids) as features:
                 out = self.model(**inputs)

@@ -52,10 +52,11 @@ class RecordingEngine(DecodingEngine):
         self.saw_holes = self.compacted = False
 
     def _round(self):
-        width = self.caches.valid.shape[1]
         events = super()._round()
-        if self.caches is not None:
+        if self.caches is not None:  # compact far more eagerly than the engine does, to exercise it often
+            width = self.caches.valid.shape[1]
             self.saw_holes |= not bool(self.caches.valid.all())
+            self.caches.compact(slack=1.0)
             self.compacted |= self.caches.valid.shape[1] < width
         return events
 
