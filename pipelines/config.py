@@ -61,7 +61,9 @@ class PipelineConfig(BaseModel):
     block_size: int = Field(8, ge=2, description="tokens drafted per round")
     head: str = Field("domino", description=f"sequential head: {', '.join(HEAD_KINDS)}")
     rank: int = Field(64, ge=1, description="rank of the head's logit correction")
+    draft_vocab_size: int = Field(8192, ge=0, description="the drafter scores only this many of the most frequent response tokens (0: the target's whole vocabulary)")
     confidence_head: bool = Field(True, description="also train DSpark's confidence head")
+    labels: Literal["data", "target"] = Field("target", description="what each position learns: the data's next token, or the target's own greedy choice there (one forward, no generation)")
     distill: bool = Field(False, description="DSpark loss: 0.1 CE + 0.9 TV to the target's distribution (streams final hidden states too)")
 
     # -- training ---------------------------------------------------------------------------------------
@@ -77,6 +79,8 @@ class PipelineConfig(BaseModel):
     grad_clip: float = Field(1.0, ge=0, description="gradient norm clipping (0: off)")
     seed: int = Field(0)
     anchors_per_sequence: int = Field(16, ge=1, description="blocks drawn from each sequence per step")
+    replay: int = Field(1, ge=1, description="steps per streamed batch: the extra ones replay batches kept in memory (features cost far more than a step)")
+    replay_memory: int = Field(512, ge=1, description="streamed batches each worker keeps in memory for replay")
     curriculum_fraction: float = Field(0.5, ge=0, le=1, description="base-anchored curriculum: share of steps over which lambda falls to 0")
     deepspeed_config: str = Field("cluster/deepspeed/zero2.json", description="DeepSpeed JSON (relative paths: from the repository root)")
     log_every: int = Field(10, ge=1, description="steps between progress lines")

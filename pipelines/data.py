@@ -25,6 +25,7 @@ import ray
 from ray.data.expressions import col
 
 from domino.errors import DominoError
+from domino.vocabulary import count_tokens
 from pipelines.config import EMBEDDED_DATA, PipelineConfig
 from pipelines.errors import root_cause
 
@@ -307,9 +308,18 @@ def training_rows(tokenized: ray.data.Dataset, held_out: list[str], cfg: Pipelin
     return tokenized.filter(expr=keep, num_cpus=cfg.data_cpus)
 
 
+def response_token_counts(rows: ray.data.Dataset, vocab_size: int) -> np.ndarray:
+    """How often each token occurs in the trained (response) positions of `rows`: what the reduced draft
+    vocabulary is chosen from. Only token ids and masks come back to the driver."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for batch in rows.select_columns(["input_ids", "loss_mask"]).iter_batches(batch_format="numpy"):
+        counts += count_tokens(zip(batch["input_ids"], batch["loss_mask"]), vocab_size)
+    return counts
+
+
 def repeated(rows: ray.data.Dataset, count: int, cfg: PipelineConfig) -> ray.data.Dataset:
-    """The training rows once for every epoch the run needs, as one stream: the feature actors then
-    start once for the whole run instead of once per epoch (each start loads the target, and the
-    trainers would wait for it)."""
-    epochs = math.ceil(cfg.steps * cfg.batch_size * cfg.num_workers / max(count, 1))
+    """The training rows once for every epoch the run needs (one step in `replay` streams a batch), as
+    one stream: the feature actors then start once for the whole run instead of once per epoch (each
+    start loads the target, and the trainers would wait for it)."""
+    epochs = math.ceil(math.ceil(cfg.steps / cfg.replay) * cfg.batch_size * cfg.num_workers / max(count, 1))
     return rows.union(*[rows] * (epochs - 1)) if epochs > 1 else rows

@@ -31,9 +31,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from domino.errors import DominoError  # noqa: E402
 from domino.target import Target, check_causal_lm, resolve_target  # noqa: E402
+from domino.vocabulary import coverage, most_frequent  # noqa: E402
 from pipelines import checkpoints  # noqa: E402
 from pipelines.config import PipelineConfig, command_line, parse_args  # noqa: E402
-from pipelines.data import check_survey, repeated, survey, tokenized_conversations, training_rows  # noqa: E402
+from pipelines.data import (check_survey, repeated, response_token_counts, survey, tokenized_conversations,  # noqa: E402
+                            training_rows)
 from pipelines.errors import root_cause  # noqa: E402
 from pipelines.evaluate import evaluate, format_table  # noqa: E402
 from pipelines.features import regenerated, with_features  # noqa: E402
@@ -90,9 +92,16 @@ def run(cfg: PipelineConfig) -> dict:
             outcome["epoch_tokens"], count = rows.sum("num_tokens"), rows.count()
             print(f"[regenerate] {count} answers by the target ({outcome['epoch_tokens']} tokens with their "
                   f"prompts) in {time.perf_counter() - start:.0f} s", flush=True)
+        vocabulary = None
+        if drafter.draft_vocab_size:
+            counts = response_token_counts(rows, drafter.target_vocab_size)
+            vocabulary = most_frequent(counts, drafter.draft_vocab_size)
+            print(f"[vocab] the drafter scores the {drafter.draft_vocab_size} most frequent response tokens, "
+                  f"{coverage(counts, vocabulary):.1%} of the training responses", flush=True)
+            vocabulary = vocabulary.tolist()
         stream = with_features(repeated(rows, count, cfg), cfg, target_path, drafter.target_layer_ids)
         try:
-            result = fit(cfg, stream, target_path)
+            result = fit(cfg, stream, target_path, vocabulary)
         except ray.train.TrainingFailedError as error:
             last = checkpoints.latest(cfg)
             kept = f"checkpoints up to step {last.step} are kept in {last.uri}" if last else "no checkpoint was written"

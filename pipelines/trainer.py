@@ -8,7 +8,9 @@ batches and times how long the trainer waits for them.
 from __future__ import annotations
 
 import os
+import random
 import time
+from collections import deque
 
 import numpy as np
 import ray.train
@@ -33,7 +35,7 @@ from pipelines.features import from_numpy, torch_threads
 def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
     return DrafterConfig.for_target(target, num_layers=cfg.draft_layers, layer_ids=cfg.target_layer_ids,
                                     block_size=cfg.block_size, head=cfg.head, rank=cfg.rank,
-                                    confidence_head=cfg.confidence_head)
+                                    confidence_head=cfg.confidence_head, draft_vocab_size=cfg.draft_vocab_size)
 
 
 def train_config(cfg: PipelineConfig) -> TrainConfig:
@@ -64,16 +66,24 @@ class PadCollate(NumpyBatchCollateFn):
                 out[key] = torch.zeros(b, t, rows[0].shape[-1], dtype=rows[0].dtype)
                 for i, row in enumerate(rows):
                     out[key][i, : lengths[i]] = row
+        if "target_next" in batch:
+            out["target_next"] = torch.zeros(b, t, dtype=torch.long)
+            for i, n in enumerate(lengths):
+                out["target_next"][i, :n] = torch.from_numpy(np.asarray(batch["target_next"][i], dtype=np.int64))
         return out
 
 
 class Feed:
     """This worker's batches, with counters for the progress line. The stream already holds every epoch
-    the run needs (each recomputes the features: nothing is cached); should it run short, it starts over.
-    The counters start at the first batch, so the pipeline's start-up (actors loading the target) is
-    reported apart from the steady-state wait."""
+    the run needs (each recomputes the features: nothing is stored on disk); should it run short, it
+    starts over. The counters start at the first batch, so the pipeline's start-up (actors loading the
+    target) is reported apart from the steady-state wait.
 
-    def __init__(self, shard, cfg: PipelineConfig, device: torch.device):
+    With `replay` > 1, each streamed batch is followed by replay - 1 steps on batches drawn from the
+    last `replay_memory` streamed ones, kept in memory: target features cost far more than a drafter
+    step, so the trainer learns from them again instead of waiting for the next."""
+
+    def __init__(self, shard, cfg: PipelineConfig, device: torch.device, seed: int):
         self.shard, self.device = shard, device
         self.collate = PadCollate(cfg.feature_dtype)
         self.batch_size = cfg.batch_size
@@ -81,6 +91,9 @@ class Feed:
         self.created = time.perf_counter()
         self.started: float | None = None  # when the first batch arrived
         self.tokens = self.target_seconds = self.wait = 0.0
+        self.replay, self.memory = cfg.replay, deque(maxlen=cfg.replay_memory)
+        self.replays_due = 0
+        self.random = random.Random(seed)
 
     def _epoch(self):
         return iter(self.shard.iter_torch_batches(batch_size=self.batch_size, collate_fn=self.collate,
@@ -90,6 +103,16 @@ class Feed:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        if self.replays_due:
+            self.replays_due -= 1
+            return self.random.choice(self.memory)
+        batch = self._streamed()
+        if self.replay > 1:
+            self.memory.append(batch)
+            self.replays_due = self.replay - 1
+        return batch
+
+    def _streamed(self) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
         batch = next(self.batches, None)
         if batch is None:
@@ -179,6 +202,8 @@ def train_worker(config: dict) -> None:
     target = Target.load(config["target_path"], device=device)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(drafter_config(cfg, target), target.embed_tokens, target.lm_head)
+    if config["draft_vocabulary"] is not None:
+        drafter.set_draft_vocabulary(torch.tensor(config["draft_vocabulary"]))
     tc = train_config(cfg)
     objective = DraftingObjective(drafter, tc.objective, seed=cfg.seed + rank)
     engine, *_ = deepspeed.initialize(
@@ -200,7 +225,7 @@ def train_worker(config: dict) -> None:
             print(f"[train] fault injection: worker {rank} dies at step {engine.global_steps}", flush=True)
             os._exit(1)
 
-    feed = Feed(ray.train.get_dataset_shard("train"), cfg, device)
+    feed = Feed(ray.train.get_dataset_shard("train"), cfg, device, seed=cfg.seed + rank)
     progress = Progress(cfg, feed, device)
 
     def on_log(done: int, summary: dict) -> None:
@@ -212,11 +237,13 @@ def train_worker(config: dict) -> None:
     train(engine, feed, tc, step=step, start_step=start_step, log_every=cfg.log_every, on_log=on_log, progress=False)
 
 
-def fit(cfg: PipelineConfig, dataset: ray.data.Dataset, target_path: str) -> ray.train.Result:
+def fit(cfg: PipelineConfig, dataset: ray.data.Dataset, target_path: str,
+        draft_vocabulary: list[int] | None) -> ray.train.Result:
     resources = {"CPU": cfg.trainer_cpus, **({"GPU": cfg.trainer_gpus} if cfg.use_gpu else {})}
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"cfg": cfg.model_dump(), "deepspeed": cfg.deepspeed(), "target_path": target_path},
+        train_loop_config={"cfg": cfg.model_dump(), "deepspeed": cfg.deepspeed(), "target_path": target_path,
+                           "draft_vocabulary": draft_vocabulary},
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(name=cfg.run_name, storage_path=cfg.storage_uri,
                              failure_config=FailureConfig(max_failures=cfg.max_failures),

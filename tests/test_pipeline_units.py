@@ -14,7 +14,7 @@ from domino.target import cache_dir
 from pipelines.config import PipelineConfig, parse_args
 from pipelines.data import TOO_LONG, MalformedRow, embedded_sharegpt, list_files, to_messages, tokenize_batch
 from pipelines.features import from_numpy, to_numpy
-from pipelines.trainer import PadCollate
+from pipelines.trainer import Feed, PadCollate
 from pipeline_helpers import conversation, write_jsonl
 
 
@@ -132,6 +132,30 @@ def test_features_travel_as_numpy_and_pad_into_batches(dtype):
     assert torch.allclose(out["features"][0, :3].float(), features[0], atol=tolerance, rtol=tolerance)
     assert (out["features"][0, 3:] == 0).all()
     assert from_numpy(to_numpy(features[1], dtype), dtype).dtype == getattr(torch, dtype)
+
+
+def test_target_labels_pad_into_batches():
+    batch = {"input_ids": np.array([np.arange(3), np.arange(5)], dtype=object),
+             "loss_mask": np.array([np.ones(3, bool), np.ones(5, bool)], dtype=object),
+             "target_next": np.array([np.array([7, 8, 9], np.int32), np.arange(5, dtype=np.int32)], dtype=object),
+             "target_seconds": np.array([0.5, 0.25])}
+    out = PadCollate("float32")(batch)
+    assert out["target_next"].tolist() == [[7, 8, 9, 0, 0], [0, 1, 2, 3, 4]]
+
+
+def test_replay_follows_each_streamed_batch_with_batches_from_memory(ray_cluster):
+    """replay=3: every third batch is streamed, the two after it come from the streamed ones kept in
+    memory (at most replay_memory of them); only streamed tokens count as data."""
+    rows = [{"input_ids": np.arange(i + 2), "loss_mask": np.ones(i + 2, bool), "target_seconds": 0.0} for i in range(8)]
+    cfg = PipelineConfig(batch_size=2, replay=3, replay_memory=2, feature_dtype="float32")
+    feed = Feed(ray_cluster.data.from_items(rows).iterator(), cfg, torch.device("cpu"), seed=0)
+    seen = [int(next(feed)["lengths"].sum()) for _ in range(12)]
+    streamed = seen[0::3]
+    assert sorted(streamed) == sorted([2 + 3, 4 + 5, 6 + 7, 8 + 9])  # every row once per epoch
+    for i in range(4):
+        remembered = streamed[max(0, i - 1): i + 1]  # the memory holds the last two streamed batches
+        assert set(seen[3 * i + 1: 3 * i + 3]) <= set(remembered)
+    assert feed.tokens == sum(streamed[1:])  # the counters start at the first batch
 
 
 def test_gpu_check_parses_its_arguments_into_a_valid_config(tmp_path):

@@ -1,7 +1,9 @@
 """What a drafter costs on the embedded target: parameters per head kind, and the time of one draft
-forward against one target decode step and one target verification of a whole block.
+forward against one target decode step and one target verification of a whole block. The drafter's
+shape defaults to the training pipeline's default (pipelines/config.py); drafts are timed with the
+target's whole vocabulary and with the reduced draft vocabulary, per head kind.
 
-    python -m pipelines.benchmarks.drafter_costs [--target smollm2-135m] [--layers 2] [--block-size 16]
+    python -m pipelines.benchmarks.drafter_costs [--target smollm2-135m] [--layers 1] [--block-size 8]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from domino.config import HEAD_KINDS, DrafterConfig
 from domino.drafter import ContextCache, Drafter
 from domino.sampling import GREEDY, RowSampling
 from domino.target import DEFAULT_TARGET, Target
+from pipelines.config import PipelineConfig
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -32,9 +35,12 @@ def median_seconds(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--layers", type=int, default=2, help="draft layers")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--rank", type=int, nargs="+", default=[64, 256], help="head ranks to count")
+    default = PipelineConfig()
+    parser.add_argument("--layers", type=int, default=default.draft_layers, help="draft layers")
+    parser.add_argument("--block-size", type=int, default=default.block_size)
+    parser.add_argument("--rank", type=int, nargs="+", default=[default.rank, 256], help="head ranks to count")
+    parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0, default.draft_vocab_size],
+                        help="draft vocabulary sizes to time (0: the target's whole vocabulary)")
     parser.add_argument("--context", type=int, default=256, help="tokens already in the caches")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
@@ -48,7 +54,7 @@ def main() -> None:
     for rank in args.rank:
         for head in HEAD_KINDS:
             config = DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size,
-                                              head=head, rank=rank)
+                                              head=head, rank=rank, draft_vocab_size=args.draft_vocab[-1])
             drafter = Drafter(config, target.embed_tokens, target.lm_head)
             total = sum(p.numel() for p in drafter.parameters())
             in_head = sum(p.numel() for p in drafter.head.parameters()) if drafter.head is not None else 0
@@ -56,27 +62,33 @@ def main() -> None:
 
     # timing, at a context of args.context tokens
     ids = torch.randint(0, target.vocab_size, (1, args.context))
-    config = DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size, head="domino", rank=64)
-    drafter = Drafter(config, target.embed_tokens, target.lm_head).eval()
+    layer_ids = DrafterConfig.for_target(target, num_layers=args.layers).target_layer_ids
     cache = target.new_cache()
-    features = target.forward(ids, cache, layer_ids=config.target_layer_ids).features
-    context = ContextCache()
-    with torch.no_grad():
-        drafter.extend_context(context, features, torch.arange(args.context)[None])
+    features = target.forward(ids, cache, layer_ids=layer_ids).features
     anchor = ids[:, -1]
     one, block = ids[:, :1], ids[:, : args.block_size + 1]
 
     def target_step(tokens):
-        target.forward(tokens, cache, layer_ids=config.target_layer_ids)
+        target.forward(tokens, cache, layer_ids=layer_ids)
         cache.crop(-tokens.shape[1])
 
-    timings = {
-        "draft one block (backbone + Domino head, greedy)": median_seconds(lambda: drafter.draft(context, anchor, RowSampling([GREEDY], [None])), args.repeats),
-        "target decode step (1 token)": median_seconds(lambda: target_step(one), args.repeats),
-        f"target verify ({args.block_size + 1} tokens)": median_seconds(lambda: target_step(block), args.repeats),
-    }
+    def draft_seconds(head: str, vocab: int) -> float:
+        config = DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size, head=head,
+                                          rank=args.rank[0], draft_vocab_size=vocab)
+        drafter = Drafter(config, target.embed_tokens, target.lm_head).eval()
+        context = ContextCache()
+        with torch.no_grad():
+            drafter.extend_context(context, features, torch.arange(args.context)[None])
+        return median_seconds(lambda: drafter.draft(context, anchor, RowSampling([GREEDY], [None])), args.repeats)
+
+    timings = {"target decode step (1 token)": median_seconds(lambda: target_step(one), args.repeats),
+               f"target verify ({args.block_size + 1} tokens)": median_seconds(lambda: target_step(block), args.repeats)}
+    for head in ("none", "domino"):
+        for vocab in args.draft_vocab:
+            name = f"draft one block of {args.block_size}: head {head}, " + (f"draft vocabulary {vocab}" if vocab else "whole vocabulary")
+            timings[name] = draft_seconds(head, vocab)
     step = timings["target decode step (1 token)"]
-    print(f"\n| operation (context {args.context}) | median ms | vs decode step |")
+    print(f"\n| operation (context {args.context}, {args.layers} draft layer(s), rank {args.rank[0]}) | median ms | vs decode step |")
     print("| --- | --- | --- |")
     for name, seconds in timings.items():
         print(f"| {name} | {1000 * seconds:.1f} | {seconds / step:.2f}x |")

@@ -1,0 +1,307 @@
+"""How much a drafter learns per CPU minute: held-out tau against training cost, one variant at a time.
+
+    python -m pipelines.benchmarks.learning_curve [--variants base vocab-full ...] [--steps 300]
+        [--conversations 1200] [--out docs/img/learning-curve.png]
+
+Every variant trains on the same embedded ShareGPT conversations in the same order with the same seed,
+in one process (the library's objective and loop, no Ray), and changes one thing against `base`. The
+cost axis is what a variant spends on one core, measured: the target's forward for its features (and
+its labels), the regeneration of answers when the variant trains on them, and the drafter's steps.
+Features of a data set are computed once and reused by the variants that read the same layers, each
+charged the measured time. Held-out tau is the greedy acceptance at every position of answers the
+target wrote to held-out ShareGPT prompts (domino.acceptance): what verification would accept there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from domino.acceptance import greedy_accepted
+from domino.config import DrafterConfig
+from domino.drafter import Drafter
+from domino.objective import DraftingObjective, ObjectiveConfig, curriculum_lambda
+from domino.target import DEFAULT_TARGET, Target, resolve_target
+from domino.training import AdamWStep, MetricsWindow, TrainConfig
+from domino.vocabulary import count_tokens, most_frequent
+from pipelines.data import MalformedRow, embedded_sharegpt, embedded_sharegpt_tail, to_messages, tokenize_conversation
+from pipelines.features import Regenerate, TargetFeatures, from_numpy
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    data: str = "text"  # "text": ShareGPT's own answers; "regenerated": the target's answers to the first prompts
+    labels: str = "target"  # "data": the text's next token; "target": the target's greedy choice there
+    layer_ids: tuple[int, ...] = (27,)
+    anchors: int = 64
+    head: str = "none"
+    curriculum_fraction: float = 0.5
+    draft_vocab_size: int = 8192
+    block_size: int = 8
+    lr: float = 2e-3
+    distill: bool = False
+
+
+BASE = Variant("base")
+VARIANTS = {v.name: v for v in [
+    BASE,
+    dataclasses.replace(BASE, name="vocab-full", draft_vocab_size=0),
+    dataclasses.replace(BASE, name="vocab-4096", draft_vocab_size=4096),
+    dataclasses.replace(BASE, name="anchors-16", anchors=16),
+    dataclasses.replace(BASE, name="anchors-all", anchors=256),
+    dataclasses.replace(BASE, name="labels-data", labels="data"),
+    dataclasses.replace(BASE, name="regenerated", data="regenerated", labels="data"),
+    dataclasses.replace(BASE, name="layer-14", layer_ids=(14,)),
+    dataclasses.replace(BASE, name="layers-20-28", layer_ids=(20, 28)),
+    dataclasses.replace(BASE, name="domino", head="domino"),
+    dataclasses.replace(BASE, name="domino-no-curriculum", head="domino", curriculum_fraction=0.0),
+    dataclasses.replace(BASE, name="distill", distill=True, labels="data"),
+    dataclasses.replace(BASE, name="lr-6e-4", lr=6e-4),
+    dataclasses.replace(BASE, name="block-16", block_size=16),
+]}
+
+
+@dataclass
+class Sequences:
+    """Training sequences of one data kind with what they cost to make (regeneration)."""
+    ids: list[np.ndarray]
+    masks: list[np.ndarray]
+    seconds_each: float = 0.0
+
+
+@dataclass
+class Curve:
+    variant: Variant
+    points: list[dict] = field(default_factory=list)  # minutes, tokens, steps, tau
+
+
+def text_sequences(target: Target, count: int, max_length: int) -> Sequences:
+    ids, masks = [], []
+    for line in embedded_sharegpt(count):
+        try:
+            i, m = tokenize_conversation(to_messages({"json_line": line}), target.tokenizer, max_length)
+        except MalformedRow:
+            continue
+        if m[1:].any():
+            ids.append(i)
+            masks.append(m)
+    return Sequences(ids, masks)
+
+
+def first_prompts(count: int) -> list[str]:
+    prompts = []
+    for line in embedded_sharegpt(count):
+        try:
+            messages = to_messages({"json_line": line})
+        except MalformedRow:
+            continue
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompts.append(json.dumps(messages[:first]))
+    return prompts
+
+
+def regenerated_sequences(target_path: str, prompts: list[str], max_length: int, new_tokens: int) -> Sequences:
+    regenerate = Regenerate(target_path, cpus=1, gpus=0, max_length=max_length, max_new_tokens=new_tokens)
+    ids, masks, start = [], [], time.perf_counter()
+    for i in range(0, len(prompts), 16):
+        out = regenerate({"prompt": np.asarray(prompts[i:i + 16], dtype=object)})
+        ids += out["input_ids"]
+        masks += out["loss_mask"]
+        print(f"  regenerated {len(ids)}/{len(prompts)} answers", flush=True)
+    return Sequences(ids, masks, (time.perf_counter() - start) / max(len(ids), 1))
+
+
+class FeatureStore:
+    """Features (and target labels) of each sequence for one set of layers, made when a variant first
+    reads them and then kept, with the seconds each sequence cost (target forward + regeneration)."""
+
+    def __init__(self, target_path: str, sequences: Sequences, layer_ids: tuple[int, ...], target_labels: bool,
+                 final_hidden: bool):
+        self.sequences = sequences
+        self.actor = TargetFeatures(target_path, cpus=1, gpus=0, layer_ids=list(layer_ids), final_hidden=final_hidden,
+                                    dtype="bfloat16", target_labels=target_labels)
+        self.rows: dict[int, dict] = {}
+        self.seconds: dict[int, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.sequences.ids)
+
+    def batch(self, picked: list[int]) -> tuple[list[dict], float]:
+        """The rows of sequences `picked` and what making them cost."""
+        missing = [i for i in picked if i not in self.rows]
+        if missing:
+            def column(values):
+                out = np.empty(len(missing), dtype=object)
+                out[:] = [values[i] for i in missing]
+                return out
+            out = self.actor({"input_ids": column(self.sequences.ids), "loss_mask": column(self.sequences.masks)})
+            for j, i in enumerate(missing):
+                self.rows[i] = {key: out[key][j] for key in out if key != "target_seconds"}
+                self.seconds[i] = out["target_seconds"][j] + self.sequences.seconds_each
+        return [self.rows[i] for i in picked], sum(self.seconds[i] for i in picked)
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    lengths = [len(r["input_ids"]) for r in rows]
+    b, t = len(rows), max(lengths)
+    batch = {"lengths": torch.tensor(lengths), "input_ids": torch.zeros(b, t, dtype=torch.long),
+             "loss_mask": torch.zeros(b, t, dtype=torch.bool)}
+    for key in ("features", "final_hidden"):
+        if key in rows[0]:
+            batch[key] = torch.zeros(b, t, from_numpy(rows[0][key], "bfloat16").shape[-1])
+    if "target_next" in rows[0]:
+        batch["target_next"] = torch.zeros(b, t, dtype=torch.long)
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        batch["input_ids"][i, :n] = torch.from_numpy(np.asarray(row["input_ids"], dtype=np.int64))
+        batch["loss_mask"][i, :n] = torch.from_numpy(np.asarray(row["loss_mask"], dtype=bool))
+        for key in ("features", "final_hidden"):
+            if key in row:
+                batch[key][i, :n] = from_numpy(row[key], "bfloat16").float()
+        if "target_next" in row:
+            batch["target_next"][i, :n] = torch.from_numpy(row["target_next"].astype(np.int64))
+    return batch
+
+
+class HeldOut:
+    """Answers the target wrote to held-out prompts, with their features per set of layers (made once)."""
+
+    def __init__(self, target: Target, sequences: Sequences):
+        self.target = target
+        self.texts = [(torch.from_numpy(i.astype(np.int64)), int(np.argmax(m))) for i, m in zip(sequences.ids, sequences.masks)]
+        self.features: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def of_layers(self, layer_ids: list[int]) -> list[torch.Tensor]:
+        key = tuple(layer_ids)
+        if key not in self.features:
+            self.features[key] = [self.target.forward(ids[None], layer_ids=layer_ids).features for ids, _ in self.texts]
+        return self.features[key]
+
+
+def held_out_tau(drafter: Drafter, held_out: HeldOut) -> float:
+    """Mean 1 + accepted length over every answer position of the held-out target-written answers."""
+    drafter.eval()
+    accepted = []
+    for (ids, answer_start), features in zip(held_out.texts, held_out.of_layers(drafter.config.target_layer_ids)):
+        anchors = torch.arange(answer_start, ids.shape[0] - 1)
+        accepted.append(greedy_accepted(drafter, features, ids, anchors))
+    drafter.train()
+    return 1.0 + float(torch.cat(accepted).float().mean())
+
+
+def train_variant(variant: Variant, target: Target, store: FeatureStore, counts: np.ndarray,
+                  held_out: HeldOut, steps: int, batch_size: int, evaluations: int, seed: int = 0) -> Curve:
+    torch.manual_seed(seed)
+    config = DrafterConfig.for_target(target, num_layers=1, layer_ids=list(variant.layer_ids), block_size=variant.block_size,
+                                      head=variant.head, rank=64, draft_vocab_size=variant.draft_vocab_size)
+    drafter = Drafter(config, target.embed_tokens, target.lm_head)
+    if variant.draft_vocab_size:
+        drafter.set_draft_vocabulary(most_frequent(counts, variant.draft_vocab_size))
+    train_config = TrainConfig(steps=steps, lr=variant.lr, objective=ObjectiveConfig(
+        anchors_per_sequence=variant.anchors, curriculum_fraction=variant.curriculum_fraction, distill=variant.distill))
+    objective = DraftingObjective(drafter, train_config.objective, seed=seed)
+    optimiser = AdamWStep(objective.parameters(), train_config)
+    curve, spent, tokens, window = Curve(variant), 0.0, 0, MetricsWindow()
+    every = max(1, steps // evaluations)
+    for step in range(steps):
+        picked = [(step * batch_size + i) % len(store) for i in range(batch_size)]
+        rows, made_in = store.batch(picked)
+        batch = collate(rows)
+        start = time.perf_counter()
+        out = objective(batch, curriculum_lambda(step, steps, variant.curriculum_fraction))
+        optimiser(out.loss)
+        spent += time.perf_counter() - start + made_in
+        tokens += int(batch["lengths"].sum())
+        window.add(out.metrics)
+        if (step + 1) % every == 0 or step + 1 == steps:
+            tau = held_out_tau(drafter, held_out)
+            train_tau = window.summary()["tau"]
+            window.reset()
+            curve.points.append({"step": step + 1, "minutes": spent / 60, "tokens": tokens, "tau": tau,
+                                 "train_tau": train_tau})
+            print(f"  {variant.name}: step {step + 1}/{steps}  {spent / 60:.1f} min  {tokens} tokens  "
+                  f"held-out tau {tau:.3f}  (training, teacher-forced {train_tau:.3f})", flush=True)
+    return curve
+
+
+def plot(curves: list[Curve], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for curve in curves:
+        axis.plot([p["minutes"] for p in curve.points], [p["tau"] for p in curve.points], marker="o", label=curve.variant.name)
+    axis.set_xlabel("training cost on one core (minutes: target features + regeneration + drafter steps)")
+    axis.set_ylabel("held-out tau (greedy acceptance at every answer position)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--variants", nargs="+", default=["base"], choices=sorted(VARIANTS))
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=1200, help="ShareGPT conversations to draw from (in order, repeated when steps need more)")
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--held-out", type=int, default=16, help="held-out prompts the target answers")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per target-written answer")
+    parser.add_argument("--evaluations", type=int, default=5, help="held-out measurements per variant")
+    parser.add_argument("--out", type=Path, default=None, help="PNG of tau against cost")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    target_path = resolve_target(args.target)
+    target = Target.load(target_path)
+    print(f"# {args.target} on {platform.processor() or platform.machine()}, 1 thread, torch {torch.__version__}")
+    print(f"# {args.steps} steps x {args.batch_size} sequences per variant, seed 0", flush=True)
+
+    held_prompts = [json.dumps([{"role": "user", "content": p}]) for p in embedded_sharegpt_tail(args.held_out)]
+    held = regenerated_sequences(target_path, held_prompts, args.max_length + args.new_tokens, args.new_tokens)
+    held_out = HeldOut(target, held)
+
+    sequences: dict[str, Sequences] = {}
+    stores: dict[tuple, FeatureStore] = {}
+    curves = []
+    for name in args.variants:
+        variant = VARIANTS[name]
+        if variant.data not in sequences:
+            print(f"# making the '{variant.data}' training data", flush=True)
+            sequences[variant.data] = text_sequences(target, args.conversations, args.max_length) if variant.data == "text" \
+                else regenerated_sequences(target_path, first_prompts(args.conversations), args.max_length, args.new_tokens)
+        data = sequences[variant.data]
+        key = (variant.data, variant.layer_ids, variant.labels == "target", variant.distill)
+        if key not in stores:
+            stores[key] = FeatureStore(target_path, data, variant.layer_ids, target_labels=key[2], final_hidden=variant.distill)
+        counts = count_tokens(zip(data.ids, data.masks), target.vocab_size)
+        curves.append(train_variant(variant, target, stores[key], counts, held_out, args.steps, args.batch_size,
+                                    args.evaluations))
+
+    print("\n| variant | changes | minutes | tokens | held-out tau | training tau |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for curve in curves:
+        last = curve.points[-1]
+        changed = {k: v for k, v in dataclasses.asdict(curve.variant).items()
+                   if k != "name" and v != getattr(BASE, k)}
+        print(f"| {curve.variant.name} | {changed or '-'} | {last['minutes']:.1f} | {last['tokens']} | "
+              f"{last['tau']:.3f} | {last['train_tau']:.3f} |")
+    if args.out:
+        plot(curves, args.out)
+        print(f"\nplot: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
