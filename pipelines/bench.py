@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=10, help="conversations per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
     parser.add_argument("--block-size", type=int, default=16, help="for the oracle")
+    parser.add_argument("--verify", choices=["full", "threshold", "confidence"], default="full",
+                        help="how many of its drafts a drafter's round verifies (threshold and confidence need "
+                             "a confidence head; confidence profiles the target's steps per second first)")
     parser.add_argument("--out", default="results/bench", help="output folder")
     parser.add_argument("--ablation", action="store_true", help="train the ablation's drafters first")
     parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         drafters = train_ablation(args.train) if args.ablation else []
         target = Target.load(args.target)
         specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
-        methods = [make_method(spec, target, args.block_size) for spec in specs]
+        methods = [make_method(spec, target, args.block_size, args.verify) for spec in specs]
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -52,6 +52,7 @@ class Regenerate(TargetActor):
         tokenizer = self.target.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.stop_ids = set(self.target.stop_token_ids)
+        self.answered = 0  # for the progress line
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
@@ -78,6 +79,8 @@ class Regenerate(TargetActor):
             out["input_ids"].append(np.asarray(prompt + answer, dtype=np.int32))
             out["loss_mask"].append(np.asarray([False] * len(prompt) + [True] * len(answer)))
             out["num_tokens"].append(len(prompt) + len(answer))
+        self.answered += len(prompts)
+        print(f"[regenerate] this actor has written {self.answered} answers", flush=True)
         return out
 
 

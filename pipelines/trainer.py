@@ -7,6 +7,7 @@ batches and times how long the trainer waits for them.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -188,9 +189,21 @@ def format_progress(m: dict, steps: int) -> str:
             f"data wait [{wait}]")
 
 
+def quiet_ray_train_reports() -> None:
+    """Ray Train logs each report's whole metrics dict and each checkpoint's path at INFO level (its
+    loggers are named after their modules' file and import path, pinned with Ray); the progress line
+    already says what matters, so only their warnings stay."""
+    from ray.train.v2._internal.execution import context, storage
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    logging.getLogger(storage.__name__).setLevel(logging.WARNING)
+
+
 def train_worker(config: dict) -> None:
     """The function every Ray Train worker runs."""
     import deepspeed
+
+    quiet_ray_train_reports()
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # its C++ build takes minutes; gloo is enough
     cfg = PipelineConfig(**config["cfg"])

@@ -143,6 +143,8 @@ def test_training_config_is_a_valid_pipeline_config():
     cfg = build_config(load("cluster/train-gpu.yaml"))
     assert cfg.use_gpu and cfg.storage_path.startswith("s3://")
     require(cfg.deepspeed_config)
+    long_cpu = build_config(load("cluster/train-cpu-long.yaml"))
+    assert not long_cpu.use_gpu and long_cpu.checkpoint_every % long_cpu.log_every == 0
 
 
 # -- Serve: cluster/serve.yaml and the RayService ---------------------------------------------------

@@ -17,6 +17,7 @@ from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.requests import GenerationStats
+from domino.scheduler import make_policy
 from domino.target import Target
 
 BUILTIN = ("autoregressive", "hf-generate", "prompt-lookup", "oracle")
@@ -49,9 +50,9 @@ class Method:
         return Output(out[0, ids.shape[1]:].tolist(), seconds)
 
 
-def make_method(spec: str, target: Target, block_size: int = 16) -> Method:
+def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "full") -> Method:
     """'autoregressive', 'hf-generate', 'prompt-lookup', 'oracle', or a drafter checkpoint given as
-    PATH or NAME=PATH."""
+    PATH or NAME=PATH, whose drafts are verified by the policy named `verify` (domino.scheduler)."""
     if spec == "autoregressive":
         return Method(spec, target, SpeculativeDecoder(target, None))
     if spec == "oracle":
@@ -65,4 +66,4 @@ def make_method(spec: str, target: Target, block_size: int = 16) -> Method:
         raise DominoError(f"unknown method '{spec}': use one of {', '.join(BUILTIN)}, or a drafter checkpoint "
                           f"folder (PATH or NAME=PATH)")
     drafter = Drafter.from_pretrained(path, target)
-    return Method(name or Path(path).name, target, SpeculativeDecoder(target, drafter))
+    return Method(name or Path(path).name, target, SpeculativeDecoder(target, drafter, policy=make_policy(verify, target)))

@@ -49,6 +49,7 @@ class Variant:
     block_size: int = 8
     lr: float = 2e-3
     distill: bool = False
+    epochs: int = 1  # passes over fewer sequences in the same steps (the pipeline's `replay`)
 
 
 BASE = Variant("base")
@@ -67,6 +68,7 @@ VARIANTS = {v.name: v for v in [
     dataclasses.replace(BASE, name="distill", distill=True, labels="data"),
     dataclasses.replace(BASE, name="lr-6e-4", lr=6e-4),
     dataclasses.replace(BASE, name="block-16", block_size=16),
+    dataclasses.replace(BASE, name="epochs-3", epochs=3),
 ]}
 
 
@@ -212,7 +214,8 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
     curve, spent, tokens, window = Curve(variant), 0.0, 0, MetricsWindow()
     every = max(1, steps // evaluations)
     for step in range(steps):
-        picked = [(step * batch_size + i) % len(store) for i in range(batch_size)]
+        distinct = min(len(store), max(batch_size, steps * batch_size // variant.epochs))
+        picked = [(step * batch_size + i) % distinct for i in range(batch_size)]
         rows, made_in = store.batch(picked)
         batch = collate(rows)
         start = time.perf_counter()
