@@ -7,7 +7,7 @@ from domino.errors import DominoError
 from domino.sampling import GREEDY, RowSampling, SamplingParams
 from helpers import tiny_drafter, tiny_target
 
-HEADS = ["none", "domino", "markov", "rnn"]
+HEADS = ["none", "domino", "sglang-domino", "markov", "rnn"]
 
 
 def draft_once(drafter, target, ids, params=GREEDY, seed=0):
