@@ -27,6 +27,8 @@ WEIGHTS_NAME = "model.safetensors"
 SHARD_INDEX_NAME = "model.safetensors.index.json"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 FORMATS = ("dflash", "sglang-domino")
+DFLASH_REQUIRED = ("hidden_size", "vocab_size", "num_target_layers", "num_hidden_layers", "num_attention_heads",
+                   "intermediate_size")
 MAX_POSITIONS = 131072  # written for engines that read it; default rotary embeddings do not depend on it
 
 # Per draft layer: our parameter name -> DFlash's (Qwen3's module names).
@@ -143,6 +145,8 @@ def refuse_unsupported(config: dict, path: Path) -> None:
         (projector not in (None, "domino"), f"the projector_type {projector!r} (only none or domino)"),
         (projector == "domino" and dflash_value(config, "pure_draft_prefix_len", 1) != 1,
          "a Domino head whose pure_draft_prefix_len is not 1"),
+        (projector == "domino" and None in (dflash_value(config, "emb_dim"), dflash_value(config, "gru_hidden_dim")),
+         "a Domino head without emb_dim or gru_hidden_dim"),
         (float(dflash_value(config, "input_embedding_scale", 1.0)) != 1.0, "input_embedding_scale"),
         (float(dflash_value(config, "output_multiplier", 1.0)) != 1.0, "output_multiplier"),
         (float(dflash_value(config, "final_logit_softcapping", 0) or 0) > 0, "final_logit_softcapping"),
@@ -172,6 +176,9 @@ def dflash_config(config: dict, path: Path, target: "Target") -> DrafterConfig:
     """Our config for a DFlash (or SGLang Domino) checkpoint's config.json."""
     from domino.target import select_layer_ids
 
+    missing = [name for name in DFLASH_REQUIRED if name not in config]
+    if missing:
+        raise DominoError(f"the DFlash config at {path} lacks {', '.join(missing)}: it is not a complete checkpoint")
     refuse_unsupported(config, path)
     layer_ids = dflash_value(config, "target_layer_ids")
     if layer_ids is None:  # z-lab's loader derives them from the two depths
@@ -194,7 +201,8 @@ def dflash_config(config: dict, path: Path, target: "Target") -> DrafterConfig:
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), target_name=target.name,
     )
     if domino:
-        options.update(rank=int(dflash_value(config, "emb_dim")), gru_hidden=int(dflash_value(config, "gru_hidden_dim")))
+        options.update(rank=int(dflash_value(config, "emb_dim")),
+                       gru_hidden=int(dflash_value(config, "gru_hidden_dim")))
     return DrafterConfig(**options)
 
 

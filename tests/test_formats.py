@@ -150,6 +150,26 @@ def test_dflash_generate_and_our_engine_agree_round_by_round(target, trained, tm
         assert max(rounds) > 1  # the drafter gets drafts accepted: a real comparison
 
 
+def test_dflash_generate_and_our_engine_agree_on_the_embedded_target(embedded_target, tmp_path):
+    """The same on SmolLM2-135M with a random 1-layer DFlash drafter saved by z-lab's class, a chat prompt
+    and its template: the tokens and every round's length."""
+    from domino.config import default_mask_token_id
+
+    target = embedded_target
+    tc = target.config
+    model = dflash_model(vocab_size=target.vocab_size, hidden_size=tc.hidden_size, intermediate_size=256,
+                         num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
+                         num_key_value_heads=tc.num_key_value_heads, head_dim=tc.hidden_size // tc.num_attention_heads,
+                         num_target_layers=tc.num_hidden_layers, block_size=4,
+                         dflash_config={"mask_token_id": default_mask_token_id(target)})
+    model.save_pretrained(tmp_path)
+    decoder = SpeculativeDecoder(target, Drafter.from_pretrained(tmp_path, target))
+    ids = torch.tensor(target.encode_prompt("Name three colours."))
+    tokens, rounds = reference_rounds(model, target, ids, max_new_tokens=10)
+    ours = decoder.generate(ids.tolist(), GenerationConfig(max_new_tokens=10, stop_token_ids=[]))
+    assert ours.tokens == tokens and ours.stats.accept_lengths == rounds
+
+
 def sglang_rollout(exported: dict[str, torch.Tensor], hidden: torch.Tensor, anchor: torch.Tensor, target) -> list:
     """Greedy drafts as SGLang's Domino loader computes them from the exported weights (shifted labels,
     the first position from base logits alone, a bias-free GRU primed with the anchor and the first draft)."""
@@ -245,10 +265,12 @@ def edit_checkpoint(path, config_edit=None, extra_weight=None) -> None:
      r"reads target layers \[1, 40\], but 'tiny-0' has 6"),
     (dict(config_edit=lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=4)),
      dict(), "has sliding-window layers"),
-    (dict(config_edit=lambda c: c.update(architectures=["DFlash2DraftModel"])), dict(), "DFlash 2's candidate selector"),
+    (dict(config_edit=lambda c: c.update(architectures=["DFlash2DraftModel"])), dict(),
+     "DFlash 2's candidate selector"),
     (dict(config_edit=lambda c: c["dflash_config"].update(projector_type="dspark")), dict(), "projector_type 'dspark'"),
     (dict(extra_weight="mask_embedding.weight"), dict(), r"a learned mask embedding \(mask_embedding.weight\)"),
     (dict(extra_weight="layers.0.self_attn.q_proj.bias"), dict(), "weights domino has no place for"),
+    (dict(config_edit=lambda c: c.pop("num_target_layers")), dict(), "lacks num_target_layers"),
 ])
 def test_bad_dflash_checkpoint_gets_one_line_naming_the_problem(tmp_path, edit, other_target, message):
     dflash_model().save_pretrained(tmp_path)

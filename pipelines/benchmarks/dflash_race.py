@@ -79,7 +79,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="batch-1 prompts (at most 6)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 on a shared machine")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     target = Target.load(args.target)
     if args.make_random:
@@ -101,6 +104,8 @@ def main() -> None:
             else:
                 run = ours(DecodingEngine(target, drafter), [ids], args.max_new_tokens)
                 runs[name] = dict(tokens=run["outputs"][0], **{k: run[k] for k in ("seconds", "rounds", "committed")})
+        print(f"prompt {i}: " + ", ".join(f"{name} {len(run['tokens']) / run['seconds']:.2f} tokens/s"
+                                          for name, run in runs.items()), flush=True)
         same &= runs["reference"]["tokens"] == runs["ours"]["tokens"]
         alone[tuple(ids)] = runs["ours"]["tokens"]
         for name, run in runs.items():
