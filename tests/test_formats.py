@@ -103,6 +103,17 @@ def test_dflash_checkpoint_loads_and_drafts_as_dflash_does(target, tmp_path):
     assert torch.equal(draft.tokens, expected.argmax(-1))
 
 
+def test_sharded_dflash_checkpoint_loads(target, tmp_path):
+    model = dflash_model()
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    drafter = Drafter.from_pretrained(tmp_path, target)
+    ids = prompts()
+    with torch.no_grad():
+        expected = dflash_logits(model, target, ids)
+    torch.testing.assert_close(our_draft(drafter, target, ids)[1], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_our_dflash_export_loads_in_dflash_with_the_same_logits(target, trained, tmp_path):
     export(trained, "dflash", tmp_path)
     model = DFlashDraftModel.from_pretrained(tmp_path).float().eval()
