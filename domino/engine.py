@@ -45,8 +45,9 @@ class Event:
 
 
 class DecodingEngine:
-    """`drafter`: a Drafter, "oracle", or None (plain decoding). `policy` decides per round how many
-    drafts each request verifies (scheduler.py; default: all of them)."""
+    """`drafter`: a Drafter, "oracle", or None (plain decoding). `block_size`: the oracle's drafts per
+    round (a Drafter proposes `config.num_drafts`). `policy` decides per round how many drafts each
+    request verifies (scheduler.py; default: all of them)."""
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int = 16, policy=None):
         if isinstance(drafter, Drafter):
