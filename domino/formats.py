@@ -193,7 +193,7 @@ def dflash_config(config: dict, path: Path, target: "Target") -> DrafterConfig:
         mask_token_id=int(dflash_value(config, "mask_token_id")),
         block_size=int(dflash_value(config, "block_size", 16)),
         head="sglang-domino" if domino else "none",
-        label_convention="shifted" if domino and dflash_value(config, "shift_label", False) else "dflash",
+        label_convention="shifted" if dflash_value(config, "shift_label", False) else "dflash",
         num_layers=config["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
