@@ -103,6 +103,13 @@ def test_dflash_checkpoint_loads_and_drafts_as_dflash_does(target, tmp_path):
     assert torch.equal(draft.tokens, expected.argmax(-1))
 
 
+def test_shift_label_in_a_dflash_config_means_shifted_labels(target, tmp_path):
+    dflash_model(dflash_config={"mask_token_id": MASK, "target_layer_ids": LAYER_IDS, "shift_label": True}
+                 ).save_pretrained(tmp_path)
+    config = Drafter.from_pretrained(tmp_path, target).config
+    assert (config.label_convention, config.num_drafts) == ("shifted", BLOCK)
+
+
 def test_sharded_dflash_checkpoint_loads(target, tmp_path):
     model = dflash_model()
     model.save_pretrained(tmp_path, max_shard_size="100KB")
