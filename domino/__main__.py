@@ -1,4 +1,5 @@
-"""Command line: `python -m domino generate --target smollm2-135m --drafter PATH --prompt "..."`."""
+"""Command line: `python -m domino generate --target smollm2-135m --drafter PATH --prompt "..."`, and
+`python -m domino export --drafter PATH --format dflash|sglang-domino --out DIR`."""
 
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
                           help="verify every draft (default), or stop where the confidence head's estimate that "
                                "the prefix survives falls below --threshold (drafters with a confidence head)")
     generate.add_argument("--threshold", type=float, default=0.3)
+    export = commands.add_parser(
+        "export", help="write a drafter in DFlash's or SGLang's Domino checkpoint format",
+        description="Convert a drafter trained here for other engines: 'dflash' (z-lab's DFlashDraftModel, vLLM "
+                    "method dflash, SGLang --speculative-algorithm DFLASH; drafters trained with label_convention "
+                    "dflash and no head) or 'sglang-domino' (SGLang's Domino head; drafters trained with head "
+                    "sglang-domino). A drafter the format cannot express is refused with the reason.")
+    export.add_argument("--drafter", required=True, help="drafter checkpoint folder written by training")
+    export.add_argument("--format", required=True, choices=["dflash", "sglang-domino"])
+    export.add_argument("--out", required=True, help="folder to write (created if missing)")
     return parser
 
 
@@ -72,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "generate":
             run_generate(args)
+        elif args.command == "export":
+            from domino.formats import export
+
+            print(f"wrote {export(args.drafter, args.format, args.out)} ({args.format})")
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

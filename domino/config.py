@@ -12,7 +12,10 @@ from domino.errors import DominoError
 if TYPE_CHECKING:
     from domino.target import Target
 
-HEAD_KINDS = ("none", "domino", "markov", "rnn")
+HEAD_KINDS = ("none", "domino", "sglang-domino", "markov", "rnn")
+# "shifted" (Domino): block position k proposes the (k+1)-th token after the anchor, B drafts per block.
+# "dflash": the anchor's slot proposes nothing and position k proposes the k-th token, B - 1 drafts.
+LABEL_CONVENTIONS = ("shifted", "dflash")
 MAX_BLOCK_SIZE = 64
 
 
@@ -27,6 +30,7 @@ class DrafterConfig:
     # The drafter itself.
     block_size: int = 16
     head: str = "domino"
+    label_convention: str = "shifted"
     confidence_head: bool = False
     num_layers: int = 1
     draft_vocab_size: int = 0  # tokens the drafter scores (its most frequent in training); 0: the target's whole vocabulary
@@ -48,6 +52,9 @@ class DrafterConfig:
             )
         if self.head not in HEAD_KINDS:
             raise DominoError(f"unknown head kind '{self.head}': choose one of {', '.join(HEAD_KINDS)}")
+        if self.label_convention not in LABEL_CONVENTIONS:
+            raise DominoError(f"unknown label_convention '{self.label_convention}': choose one of "
+                              f"{', '.join(LABEL_CONVENTIONS)}")
         if self.num_layers < 1:
             raise DominoError(f"num_layers (draft layers) must be at least 1, got {self.num_layers}")
         if not self.target_layer_ids:
@@ -77,6 +84,16 @@ class DrafterConfig:
     def draft_vocab(self) -> int:
         """How many tokens the drafter's LM head scores."""
         return self.draft_vocab_size or self.target_vocab_size
+
+    @property
+    def silent_slots(self) -> int:
+        """Block positions at the start that propose nothing: the anchor's slot in the DFlash convention."""
+        return 1 if self.label_convention == "dflash" else 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Tokens proposed per block."""
+        return self.block_size - self.silent_slots
 
     @classmethod
     def for_target(cls, target: "Target", num_layers: int = 1, layer_ids: list[int] | None = None,

@@ -14,16 +14,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from domino.config import DrafterConfig
 from domino.errors import DominoError
+from domino.formats import CONFIG_NAME, WEIGHTS_NAME, read_checkpoint
 from domino.heads import ConfidenceHead, build_head
 from domino.sampling import RowSampling
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +136,9 @@ class ContextCache:
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # (n, B): proposals (target ids) for the B positions after the anchor
-    probs: torch.Tensor | None  # (n, B, target vocab): the distribution each proposal was drawn from (None if greedy)
-    confidence: torch.Tensor | None  # (n, B): survival probabilities, when the drafter has a confidence head
+    tokens: torch.Tensor  # (n, m): proposals (target ids) for the m positions after the anchor (m = config.num_drafts or fewer)
+    probs: torch.Tensor | None  # (n, m, target vocab): the distribution each proposal was drawn from (None if greedy)
+    confidence: torch.Tensor | None  # (n, m): survival probabilities, when the drafter has a confidence head
 
 
 class Drafter(nn.Module):
@@ -236,9 +234,9 @@ class Drafter(nn.Module):
             x = layer(x, cos, sin, kv, mask)
         return self.norm(x)
 
-    def block_ids(self, anchors: torch.Tensor) -> torch.Tensor:
-        """[anchor, MASK, ..., MASK] for each anchor (…) -> (…, B)."""
-        ids = anchors.new_full((*anchors.shape, self.config.block_size), self.config.mask_token_id)
+    def block_ids(self, anchors: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """[anchor, MASK, ..., MASK] for each anchor (…) -> (…, size), by default (…, B)."""
+        ids = anchors.new_full((*anchors.shape, size or self.config.block_size), self.config.mask_token_id)
         ids[..., 0] = anchors
         return ids
 
@@ -251,24 +249,33 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def draft(self, cache: ContextCache, anchors: torch.Tensor, sampling: RowSampling,
               positions: torch.Tensor | None = None,
-              screen: Callable[[torch.Tensor], bool] | None = None) -> Draft | None:
-        """One drafting round: propose the B tokens after each anchor (n,), sitting at `positions` (n,)
-        (default: right after the cached context). Each proposal is chosen by the row's sampling rule
-        from a distribution conditioned on the proposals before it, and that distribution is returned.
+              screen: Callable[[torch.Tensor], bool] | None = None, needed: int | None = None) -> Draft | None:
+        """One drafting round: propose the `config.num_drafts` tokens after each anchor (n,), sitting at
+        `positions` (n,) (default: right after the cached context). Each proposal is chosen by the row's
+        sampling rule from a distribution conditioned on the proposals before it, and that distribution
+        is returned.
+
+        `needed`: the most tokens any row still needs (its drafts plus the target's own token). A
+        DFlash-convention drafter then runs a block of at most `needed` + 1 slots, as DFlash's reference
+        loop does near the end of a request: the block attends to itself without a causal mask, so its
+        drafts depend on its length, and this keeps our decoding of a DFlash checkpoint the reference's,
+        token for token and round for round.
 
         `screen` (drafters with a confidence head) sees the first position's survival estimates (n,),
         which need no logits, and answers whether any draft is worth verifying. When none is, the round
         ends there (None), skipping the LM head over n x B positions: at large batch the costliest part."""
         cache.catch_up()
-        n, block = anchors.shape[0], self.config.block_size
+        n, block, silent = anchors.shape[0], self.config.block_size, self.config.silent_slots
+        if silent and needed is not None:
+            block = min(block, needed + silent)
         offsets = torch.arange(block, device=anchors.device)
         if positions is None:
             positions = torch.full((n,), cache.length, device=anchors.device)
         mask = None
         if cache.valid is not None:  # attend to the valid context slots and to the whole block
             mask = torch.cat([cache.valid, cache.valid.new_ones(n, block)], dim=1)[:, None, None, :]
-        h = self.backbone(self.block_ids(anchors), positions[:, None] + offsets,
-                          [cache.layer(i) for i in range(len(self.layers))], mask)
+        h = self.backbone(self.block_ids(anchors, block), positions[:, None] + offsets,
+                          [cache.layer(i) for i in range(len(self.layers))], mask)[:, silent:]
         prev, prev_embed = anchors, self.embed(anchors)
         confidence = []
         if self.confidence is not None:
@@ -278,7 +285,7 @@ class Drafter(nn.Module):
         base = self.lm_head(h)
         state = self.head.initial_state(n, h) if self.head is not None else None
         tokens, probs = [], []
-        for k in range(block):
+        for k in range(h.shape[1]):
             if k:
                 prev_embed = self.embed(prev)
                 if self.confidence is not None:
@@ -306,18 +313,13 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target) -> "Drafter":
-        """Load a drafter for `target` (a domino.target.Target), refusing one trained for another target."""
+        """Load a drafter for `target` (a domino.target.Target) from a folder in our format or DFlash's
+        (domino.formats), refusing one made for another target."""
         path = Path(path)
-        if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-            raise DominoError(
-                f"no drafter checkpoint at {path}: pass the folder written by training "
-                f"(it holds {CONFIG_NAME} and {WEIGHTS_NAME}), or 'none' to decode without a drafter"
-            )
-        config = DrafterConfig.load(path / CONFIG_NAME)
-        config.check_target(target)
+        config, weights = read_checkpoint(path, target)
         drafter = cls(config, target.embed_tokens, target.lm_head)
         try:
-            drafter.load_state_dict(load_file(path / WEIGHTS_NAME))
+            drafter.load_state_dict(weights)
         except RuntimeError as error:
-            raise DominoError(f"{path / WEIGHTS_NAME} does not match its config: {str(error).splitlines()[0]}") from None
+            raise DominoError(f"the weights in {path} do not match its config: {str(error).splitlines()[0]}") from None
         return drafter.to(device=target.device).eval()

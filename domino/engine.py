@@ -45,13 +45,14 @@ class Event:
 
 
 class DecodingEngine:
-    """`drafter`: a Drafter, "oracle", or None (plain decoding). `policy` decides per round how many
-    drafts each request verifies (scheduler.py; default: all of them)."""
+    """`drafter`: a Drafter, "oracle", or None (plain decoding). `block_size`: the oracle's drafts per
+    round (a Drafter proposes `config.num_drafts`). `policy` decides per round how many drafts each
+    request verifies (scheduler.py; default: all of them)."""
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int = 16, policy=None):
         if isinstance(drafter, Drafter):
             drafter.config.check_target(target)
-            block_size = drafter.config.block_size
+            block_size = drafter.config.num_drafts
         elif drafter not in (None, "oracle"):
             raise DominoError(f"drafter must be a Drafter, 'oracle' or None, got {drafter!r}")
         self.policy = policy or FullVerify()
@@ -138,7 +139,8 @@ class DecodingEngine:
         """This round's drafts, or None when the policy would verify none of them."""
         if isinstance(self.drafter, Drafter):
             screen = (lambda first: self.policy.admits_any(caps, first)) if self.policy.needs_confidence else None
-            return self.drafter.draft(self.caches.context, anchors, sampling, positions, screen)
+            return self.drafter.draft(self.caches.context, anchors, sampling, positions, screen,
+                                      needed=int(caps.max()) + 1)
         upcoming = [s.reference[len(s.tokens): len(s.tokens) + self.block_size] for s in states]
         tokens = torch.tensor([u + [PAD] * (self.block_size - len(u)) for u in upcoming], device=anchors.device)
         probs = None

@@ -46,24 +46,38 @@ class DominoHead(LogitHead):
     """GRU over the target embeddings of the drafted tokens; z_k = SiLU(W1 [h_k ; s_{k-1}]).
     The first position has no drafted prefix and keeps its base logits (z_0 = 0)."""
 
+    first_read = 1  # position of the first token the GRU reads: the first draft
+    gru_bias = True
+
     def __init__(self, config: DrafterConfig):
         super().__init__(config.rank, config.draft_vocab)
-        self.gru = nn.GRU(config.hidden_size, config.gru_hidden, batch_first=True)
+        self.gru = nn.GRU(config.hidden_size, config.gru_hidden, batch_first=True, bias=self.gru_bias)
         self.proj = nn.Linear(config.hidden_size + config.gru_hidden, config.rank, bias=False)
 
     def initial_state(self, n: int, like: torch.Tensor) -> torch.Tensor:
         return like.new_zeros(1, n, self.gru.hidden_size)
 
     def codes(self, h, prev_tokens, prev_embeds):
-        states, _ = self.gru(prev_embeds[:, 1:])  # s_1..s_{B-1}: after reading tokens 1..B-1
+        states, _ = self.gru(prev_embeds[:, self.first_read:])
+        states = states[:, 1 - self.first_read:]  # the states before positions 1..B-1
         z = F.silu(self.proj(torch.cat([h[:, 1:], states], dim=-1)))
         return torch.cat([torch.zeros_like(z[:, :1]), z], dim=1)
 
     def step(self, k, h_k, prev_token, prev_embed, state):
+        if k >= self.first_read:
+            out, state = self.gru(prev_embed[:, None], state)
         if k == 0:
             return h_k.new_zeros(h_k.shape[0], self.proj.out_features), state
-        out, state = self.gru(prev_embed[:, None], state)
         return F.silu(self.proj(torch.cat([h_k, out[:, 0]], dim=-1))), state
+
+
+class SGLangDominoHead(DominoHead):
+    """The Domino head exactly as SGLang serves it (its `projector_type: domino`): a bias-free GRU that
+    is primed with the anchor as well, so the state before position k has read the anchor and the
+    drafts before k. Choose it for training when the drafter is to be exported to SGLang."""
+
+    first_read = 0
+    gru_bias = False
 
 
 class MarkovHead(LogitHead):
@@ -123,7 +137,8 @@ class ConfidenceHead(nn.Module):
         return self.score(torch.cat([h, prev_embeds], dim=-1)).squeeze(-1)
 
 
-HEADS: dict[str, type[LogitHead]] = {"domino": DominoHead, "markov": MarkovHead, "rnn": RNNHead}
+HEADS: dict[str, type[LogitHead]] = {
+    "domino": DominoHead, "sglang-domino": SGLangDominoHead, "markov": MarkovHead, "rnn": RNNHead}
 
 
 def build_head(config: DrafterConfig) -> LogitHead | None:

@@ -2,7 +2,8 @@
 
 A training example is a token sequence with the target's layer features for every token. Each
 anchor a opens a block [x_a, MASK, ...] at positions a..a+B-1 whose labels are x_{a+1}..x_{a+B}
-(position k of the block predicts the token k+1 after the anchor). A block sees the context strictly
+(position k of the block predicts the token k+1 after the anchor). In the DFlash label convention
+the anchor's slot is not trained and position k predicts x_{a+k}. A block sees the context strictly
 before its anchor and itself, never another block: exactly what it sees at inference.
 
 Loss per block position k (0-based): cross-entropy weighted by w_k = exp(-k / decay), mixed with the
@@ -89,12 +90,12 @@ def packed_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: i
 class PackedBlocks:
     """Every block of a packed batch, flattened to (n = b * m, B, ...)."""
 
-    hidden: torch.Tensor  # (n, B, D) backbone output
-    labels: torch.Tensor  # (n, B) the tokens (target ids) each position must predict
-    trained: torch.Tensor  # (n, B) positions whose label exists and is a response token
-    prev_tokens: torch.Tensor  # (n, B) the data's token before each position: anchor, then ground truth
-    rows: torch.Tensor  # (n, B) which sequence of the batch each block came from
-    positions: torch.Tensor  # (n, B) sequence position of each block slot
+    hidden: torch.Tensor  # (n, m, D) backbone output at the m = num_drafts slots that propose
+    labels: torch.Tensor  # (n, m) the tokens (target ids) each slot must predict
+    trained: torch.Tensor  # (n, m) slots whose label exists and is a response token
+    prev_tokens: torch.Tensor  # (n, m) the data's token before each label: anchor, then ground truth
+    rows: torch.Tensor  # (n, m) which sequence of the batch each block came from
+    positions: torch.Tensor  # (n, m) sequence position just before each label (where the target predicts it)
 
 
 @dataclass
@@ -114,7 +115,8 @@ class DraftingObjective(nn.Module):
         super().__init__()
         self.drafter = drafter
         self.config = config
-        self.register_buffer("weights", position_weights(drafter.config.block_size, config.decay), persistent=False)
+        weights = position_weights(drafter.config.block_size, config.decay)[:drafter.config.num_drafts]
+        self.register_buffer("weights", weights, persistent=False)
         self.generator = torch.Generator().manual_seed(seed)
 
     def pack(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor) -> PackedBlocks:
@@ -130,23 +132,25 @@ class DraftingObjective(nn.Module):
         mask = packed_block_mask(anchors, valid, t, block)
         h = drafter.backbone(block_ids.reshape(b, m * block), positions.reshape(b, m * block), context_kv, mask)
 
-        # the B tokens after each anchor; trained where they exist and are response tokens
-        label_pos = (positions + 1).reshape(b, m * block)
+        # labels: the tokens after each anchor, one per proposing slot; trained where they exist and
+        # are response tokens
+        silent, drafts = drafter.config.silent_slots, drafter.config.num_drafts
+        label_pos = (positions[..., silent:] + 1 - silent).reshape(b, m * drafts)
         clamped = label_pos.clamp(max=t - 1)
-        following = ids.gather(1, clamped).reshape(b * m, block)
+        following = ids.gather(1, clamped).reshape(b * m, drafts)
         labels = following
-        if "target_next" in batch:  # the target's own choice after each slot, given the data before it
-            labels = batch["target_next"].gather(1, clamped - 1).reshape(b * m, block)
-        trained = (loss_mask.gather(1, clamped) & (label_pos < lengths[:, None])).reshape(b * m, block)
+        if "target_next" in batch:  # the target's own choice there, given the data before it
+            labels = batch["target_next"].gather(1, clamped - 1).reshape(b * m, drafts)
+        trained = (loss_mask.gather(1, clamped) & (label_pos < lengths[:, None])).reshape(b * m, drafts)
         trained &= valid.reshape(b * m, 1)
-        rows = torch.arange(b, device=ids.device)[:, None, None].expand(b, m, block)
+        rows = torch.arange(b, device=ids.device)[:, None, None].expand(b, m, drafts)
         return PackedBlocks(
-            hidden=h.reshape(b * m, block, -1),
+            hidden=h.reshape(b * m, block, -1)[:, silent:],
             labels=labels,
             trained=trained,
             prev_tokens=torch.cat([block_ids.reshape(b * m, block)[:, :1], following[:, :-1]], dim=1),
-            rows=rows.reshape(b * m, block),
-            positions=positions.reshape(b * m, block),
+            rows=rows.reshape(b * m, drafts),
+            positions=(label_pos - 1).reshape(b * m, drafts),
         )
 
     def forward(self, batch: dict[str, torch.Tensor], curriculum_lambda: float = 0.0) -> ObjectiveOutput:

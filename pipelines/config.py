@@ -59,7 +59,11 @@ class PipelineConfig(BaseModel):
     draft_layers: int = Field(1, ge=1, description="layers of the drafter backbone")
     target_layer_ids: list[int] | None = Field(None, description="target layers whose outputs the drafter reads (default: DFlash's choice, one per draft layer)")
     block_size: int = Field(8, ge=2, description="tokens drafted per round")
-    head: str = Field("domino", description=f"sequential head: {', '.join(HEAD_KINDS)}")
+    head: str = Field("domino", description=f"sequential head: {', '.join(HEAD_KINDS)} (sglang-domino: the "
+                                            f"head SGLang serves, for `python -m domino export --format sglang-domino`)")
+    label_convention: Literal["shifted", "dflash"] = Field(
+        "shifted", description="shifted (block position k proposes the (k+1)-th token after the anchor) or dflash "
+                               "(the anchor's slot proposes nothing: a DFlash checkpoint, with head none)")
     rank: int = Field(64, ge=1, description="rank of the head's logit correction")
     draft_vocab_size: int = Field(8192, ge=0, description="the drafter scores only this many of the most frequent response tokens (0: the target's whole vocabulary)")
     confidence_head: bool = Field(True, description="also train DSpark's confidence head")

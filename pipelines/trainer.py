@@ -36,7 +36,8 @@ from pipelines.features import from_numpy, torch_threads
 def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
     return DrafterConfig.for_target(target, num_layers=cfg.draft_layers, layer_ids=cfg.target_layer_ids,
                                     block_size=cfg.block_size, head=cfg.head, rank=cfg.rank,
-                                    confidence_head=cfg.confidence_head, draft_vocab_size=cfg.draft_vocab_size)
+                                    confidence_head=cfg.confidence_head, draft_vocab_size=cfg.draft_vocab_size,
+                                    label_convention=cfg.label_convention)
 
 
 def train_config(cfg: PipelineConfig) -> TrainConfig:

@@ -38,3 +38,20 @@ def tiny_drafter(target: Target, seed: int = 0, randomize_heads: bool = True, **
     if randomize_heads and drafter.head is not None:
         torch.nn.init.normal_(drafter.head.out.weight, std=0.5)
     return drafter.eval()
+
+
+def greedy_continuations(target: Target, count: int, seed: int, new_tokens: int = 40, prompt: int = 8) -> torch.Tensor:
+    """`count` random prompts of `prompt` tokens, each followed by the target's greedy continuation."""
+    prompts = torch.randint(0, target.vocab_size, (count, prompt), generator=torch.Generator().manual_seed(seed))
+    return target.model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+
+def training_batches(target: Target, drafter: Drafter, data: torch.Tensor, size: int, seed: int, prompt: int = 8):
+    """Endless batches for DraftingObjective drawn from `data`, training every token after the prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        ids = data[torch.randint(0, data.shape[0], (size,), generator=generator)]
+        loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+        loss_mask[:, prompt:] = True
+        yield dict(input_ids=ids, loss_mask=loss_mask, lengths=torch.full((size,), ids.shape[1]),
+                   features=target.forward(ids, layer_ids=drafter.config.target_layer_ids).features)

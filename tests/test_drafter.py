@@ -7,7 +7,7 @@ from domino.errors import DominoError
 from domino.sampling import GREEDY, RowSampling, SamplingParams
 from helpers import tiny_drafter, tiny_target
 
-HEADS = ["none", "domino", "markov", "rnn"]
+HEADS = ["none", "domino", "sglang-domino", "markov", "rnn"]
 
 
 def draft_once(drafter, target, ids, params=GREEDY, seed=0):
@@ -20,7 +20,7 @@ def draft_once(drafter, target, ids, params=GREEDY, seed=0):
 @pytest.mark.parametrize("bad, message", [
     (dict(block_size=1), "block_size must be between 2 and 64"),
     (dict(block_size=100), "block_size must be between 2 and 64"),
-    (dict(head="gru"), "unknown head kind 'gru': choose one of none, domino, markov, rnn"),
+    (dict(head="gru"), "unknown head kind 'gru': choose one of none, domino, sglang-domino, markov, rnn"),
     (dict(layer_ids=[1, 40]), "layer id 40 is out of range"),
 ])
 def test_bad_config_gets_one_line_error(bad, message):

@@ -9,7 +9,7 @@ from domino.objective import (DraftingObjective, ObjectiveConfig, curriculum_lam
 from domino.sampling import RowSampling, SamplingParams
 from helpers import tiny_drafter, tiny_target
 
-HEADS = ["none", "domino", "markov", "rnn"]
+HEADS = ["none", "domino", "sglang-domino", "markov", "rnn"]
 
 
 def make_batch(target, drafter, ids, response_from=0):
@@ -27,15 +27,16 @@ def teacher_forced_logits(drafter, h, prev):
     return logits
 
 
+@pytest.mark.parametrize("convention", ["shifted", "dflash"])
 @pytest.mark.parametrize("head", HEADS)
-def test_packed_training_matches_inference_drafting(head):
+def test_packed_training_matches_inference_drafting(head, convention):
     """One packed forward over several anchors gives, for each block, the same distributions as the
     inference path (context cache + one block) fed the same tokens; teacher-forced heads equal the
-    step-by-step heads; confidences agree."""
+    step-by-step heads; confidences agree. In both label conventions."""
     torch.manual_seed(1)
     target = tiny_target()
-    drafter = tiny_drafter(target, head=head, confidence_head=True)
-    block = drafter.config.block_size
+    drafter = tiny_drafter(target, head=head, confidence_head=True, label_convention=convention)
+    drafts = drafter.config.num_drafts
     ids = torch.randint(0, 96, (1, 48))
     objective = DraftingObjective(drafter, ObjectiveConfig())
     anchors = torch.tensor([[2, 11, 17, 30]])  # overlapping blocks (11..18 and 17..24) must not leak
@@ -46,7 +47,7 @@ def test_packed_training_matches_inference_drafting(head):
         draft = drafter.draft(cache, ids[:, anchor], RowSampling([SamplingParams(1.0)], [torch.Generator().manual_seed(i)]))
         # write the drafted tokens into the sequence, so teacher forcing reads what was drafted
         forced = ids.clone()
-        forced[0, anchor + 1: anchor + 1 + block] = draft.tokens[0]
+        forced[0, anchor + 1: anchor + 1 + drafts] = draft.tokens[0]
         packed = objective.pack(make_batch(target, drafter, forced), anchors, torch.ones_like(anchors, dtype=torch.bool))
         h, prev = packed.hidden[i:i + 1], packed.prev_tokens[i:i + 1]
         assert torch.equal(prev[0, 1:], draft.tokens[0, :-1])
@@ -54,6 +55,25 @@ def test_packed_training_matches_inference_drafting(head):
         assert torch.allclose(probs, draft.probs, atol=1e-5)
         confidence = torch.sigmoid(drafter.confidence(h, drafter.embed(prev)))
         assert torch.allclose(confidence, draft.confidence, atol=1e-5)
+
+
+def test_dflash_convention_trains_the_same_tokens_from_one_slot_later():
+    """Shifted labels: block slot k learns x_{a+k+1}. DFlash's: the anchor's slot learns nothing and slot
+    k learns x_{a+k}. Both ask for the tokens after the anchor in order, DFlash for one fewer."""
+    target = tiny_target()
+    ids = torch.randint(0, 96, (1, 40))
+    anchors = torch.tensor([[3, 20]])
+    packs = {}
+    for convention in ("shifted", "dflash"):
+        drafter = tiny_drafter(target, label_convention=convention)
+        batch = make_batch(target, drafter, ids)
+        valid = torch.ones_like(anchors, dtype=torch.bool)
+        packs[convention] = DraftingObjective(drafter, ObjectiveConfig()).pack(batch, anchors, valid)
+    shifted, dflash = packs["shifted"], packs["dflash"]
+    assert dflash.labels.shape == (2, 7) and torch.equal(dflash.labels[0], ids[0, 4:11])
+    assert torch.equal(dflash.labels, shifted.labels[:, :-1])
+    assert torch.equal(dflash.prev_tokens, shifted.prev_tokens[:, :-1])
+    assert torch.equal(dflash.positions, shifted.positions[:, :-1])  # where the target predicts each label
 
 
 def test_packed_mask_isolates_blocks():

@@ -40,7 +40,7 @@ def test_config_defaults_overrides_and_files(tmp_path):
     (["stepz=3"], "unknown config key 'stepz' (did you mean 'steps'?)"),
     (["steps=0"], "steps: Input should be greater than or equal to 1"),
     (["steps=abc"], "steps: Input should be a valid integer"),
-    (["head=lstm"], "head must be one of none, domino, markov, rnn"),
+    (["head=lstm"], "head must be one of none, domino, sglang-domino, markov, rnn"),
     (["log_every=7", "checkpoint_every=10"], "checkpoint_every (10) must be a multiple of log_every (7)"),
     (["fail_at_step=500", "steps=100"], "fail_at_step (500) must be below steps (100)"),
     (["steps"], "expected key=value or --config FILE, got 'steps'"),

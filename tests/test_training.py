@@ -2,31 +2,14 @@ import torch
 
 from domino.objective import DraftingObjective, ObjectiveConfig
 from domino.training import MetricsWindow, TrainConfig, train
-from helpers import tiny_drafter, tiny_target
-
-PROMPT = 8
-
-
-def greedy_continuations(target, count, seed, new_tokens=40):
-    prompts = torch.randint(0, target.vocab_size, (count, PROMPT), generator=torch.Generator().manual_seed(seed))
-    return target.model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-
-
-def batches(target, drafter, data, size, seed):
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        ids = data[torch.randint(0, data.shape[0], (size,), generator=generator)]
-        loss_mask = torch.zeros_like(ids, dtype=torch.bool)
-        loss_mask[:, PROMPT:] = True
-        yield dict(input_ids=ids, loss_mask=loss_mask, lengths=torch.full((size,), ids.shape[1]),
-                   features=target.forward(ids, layer_ids=drafter.config.target_layer_ids).features)
+from helpers import greedy_continuations, tiny_drafter, tiny_target, training_batches
 
 
 def held_out_accuracy(objective, target, data):
     window = MetricsWindow()
     objective.eval()
     with torch.no_grad():
-        stream = batches(target, objective.drafter, data, 16, seed=1)
+        stream = training_batches(target, objective.drafter, data, 16, seed=1)
         for _ in range(4):
             window.add(objective(next(stream)).metrics)
     return window.summary()["accuracy"]
@@ -40,7 +23,7 @@ def test_tiny_drafter_learns_the_targets_greedy_continuations():
     drafter = tiny_drafter(target, head="domino", randomize_heads=False)
     objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=16))
     before = held_out_accuracy(objective, target, test_set)
-    summary = train(objective, batches(target, drafter, train_set, 8, seed=0), TrainConfig(steps=300, lr=3e-3),
+    summary = train(objective, training_batches(target, drafter, train_set, 8, seed=0), TrainConfig(steps=300, lr=3e-3),
                     progress=False)
     after = held_out_accuracy(objective, target, test_set)
     assert before[0] < 0.1
@@ -56,6 +39,6 @@ def test_training_stops_cleanly_when_data_runs_out():
     drafter = tiny_drafter(target)
     objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=2))
     data = greedy_continuations(target, 4, seed=0, new_tokens=8)
-    two_batches = iter([next(batches(target, drafter, data, 2, seed=0)) for _ in range(2)])
+    two_batches = iter([next(training_batches(target, drafter, data, 2, seed=0)) for _ in range(2)])
     with pytest.raises(DominoError, match="data ran out after 2 of 5 steps"):
         train(objective, two_batches, TrainConfig(steps=5), progress=False)
