@@ -98,7 +98,8 @@ class DrafterConfig:
     @classmethod
     def for_target(cls, target: "Target", num_layers: int = 1, layer_ids: list[int] | None = None,
                    **overrides) -> "DrafterConfig":
-        """A drafter shaped like the target's own layers, reading DFlash's choice of target layers."""
+        """A drafter shaped like the target's own layers, reading `layer_ids` (negative ids count from the
+        last layer, -1) or by default DFlash's choice of target layers."""
         from domino.target import select_layer_ids
 
         tc = target.config
@@ -108,7 +109,8 @@ class DrafterConfig:
             target_hidden_size=tc.hidden_size,
             target_vocab_size=target.vocab_size,
             target_num_layers=tc.num_hidden_layers,
-            target_layer_ids=layer_ids if layer_ids is not None else select_layer_ids(tc.num_hidden_layers, num_layers),
+            target_layer_ids=select_layer_ids(tc.num_hidden_layers, num_layers) if layer_ids is None
+            else [i + tc.num_hidden_layers if i < 0 else i for i in layer_ids],  # -1: the last layer
             mask_token_id=default_mask_token_id(target),
             num_layers=num_layers,
             gru_hidden=max(64, tc.hidden_size // 4),

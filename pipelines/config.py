@@ -34,14 +34,14 @@ class PipelineConfig(BaseModel):
 
     # -- data ---------------------------------------------------------------------------------------
     data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded) or a .jsonl/.json/.parquet file or folder, local or s3://")
-    max_conversations: int = Field(256, ge=0, description="read at most this many conversations (0: all)")
+    max_conversations: int = Field(1200, ge=0, description="read at most this many conversations (0: all)")
     max_length: int = Field(256, ge=16, description="tokens per training sequence (longer ones are cut)")
     max_malformed_fraction: float = Field(0.05, ge=0, le=1, description="malformed rows are skipped and counted; more than this fraction is fatal")
     eval_prompts: int = Field(8, ge=0, description="held-out conversations whose first prompt measures tau at the end (0: no evaluation)")
     eval_max_new_tokens: int = Field(64, ge=1, description="tokens generated per evaluation prompt")
 
     # -- regeneration: the target rewrites the first assistant turn with its own greedy output ----------
-    regenerate: bool = Field(True, description="train on the target's own responses (what DFlash/Domino train on)")
+    regenerate: bool = Field(False, description="train on the target's own responses (what DFlash/Domino train on)")
     regenerate_tokens: int = Field(64, ge=1, description="most tokens the target writes per response")
     regenerate_actors: int = Field(2, ge=1, description="target actors generating responses")
     regenerate_batch_size: int = Field(16, ge=1, description="prompts per generate call")
@@ -57,9 +57,9 @@ class PipelineConfig(BaseModel):
 
     # -- drafter --------------------------------------------------------------------------------------
     draft_layers: int = Field(1, ge=1, description="layers of the drafter backbone")
-    target_layer_ids: list[int] | None = Field(None, description="target layers whose outputs the drafter reads (default: DFlash's choice, one per draft layer)")
+    target_layer_ids: list[int] | None = Field([-3], description="target layers whose outputs the drafter reads (negative: from the last, -1; null: DFlash's choice, one per draft layer)")
     block_size: int = Field(8, ge=2, description="tokens drafted per round")
-    head: str = Field("domino", description=f"sequential head: {', '.join(HEAD_KINDS)} (sglang-domino: the "
+    head: str = Field("none", description=f"sequential head: {', '.join(HEAD_KINDS)} (sglang-domino: the "
                                             f"head SGLang serves, for `python -m domino export --format sglang-domino`)")
     label_convention: Literal["shifted", "dflash"] = Field(
         "shifted", description="shifted (block position k proposes the (k+1)-th token after the anchor) or dflash "
@@ -76,19 +76,19 @@ class PipelineConfig(BaseModel):
     trainer_cpus: float = Field(1, gt=0, description="CPUs per training worker")
     trainer_gpus: float = Field(1, gt=0, le=1, description="GPUs per training worker with use_gpu (below 1 shares a GPU with feature actors)")
     batch_size: int = Field(2, ge=1, description="sequences per step per worker")
-    steps: int = Field(300, ge=1, description="optimiser steps in total")
+    steps: int = Field(800, ge=1, description="optimiser steps in total")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (cosine schedule)")
     warmup_fraction: float = Field(0.04, ge=0, lt=1, description="fraction of steps warming up the learning rate")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="gradient norm clipping (0: off)")
     seed: int = Field(0)
-    anchors_per_sequence: int = Field(16, ge=1, description="blocks drawn from each sequence per step")
-    replay: int = Field(1, ge=1, description="steps per streamed batch: the extra ones replay batches kept in memory (features cost far more than a step)")
+    anchors_per_sequence: int = Field(64, ge=1, description="blocks drawn from each sequence per step")
+    replay: int = Field(2, ge=1, description="steps per streamed batch: the extra ones replay batches kept in memory (features cost far more than a step)")
     replay_memory: int = Field(512, ge=1, description="streamed batches each worker keeps in memory for replay")
     curriculum_fraction: float = Field(0.5, ge=0, le=1, description="base-anchored curriculum: share of steps over which lambda falls to 0")
     deepspeed_config: str = Field("cluster/deepspeed/zero2.json", description="DeepSpeed JSON (relative paths: from the repository root)")
-    log_every: int = Field(10, ge=1, description="steps between progress lines")
-    checkpoint_every: int = Field(60, ge=1, description="steps between checkpoints (a multiple of log_every)")
+    log_every: int = Field(20, ge=1, description="steps between progress lines")
+    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (a multiple of log_every)")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept in storage (the newest)")
     max_failures: int = Field(2, ge=0, description="worker-group restarts from the last checkpoint before giving up")
     fail_at_step: int = Field(0, ge=0, description="testing only: the last worker dies at this step of a run started from scratch (0: off)")
