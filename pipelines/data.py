@@ -251,6 +251,7 @@ class Survey:
     too_long: int = 0
     malformed: Counter = field(default_factory=Counter)
     held_out: list[str] = field(default_factory=list)  # the held-out prompts (JSON messages)
+    response_counts: np.ndarray | None = None  # per token id, its count in the trainable rows' responses
 
     def summary(self) -> str:
         reasons = ", ".join(f"{reason}: {count}" for reason, count in self.malformed.most_common(3))
@@ -259,18 +260,20 @@ class Survey:
                 f"{sum(self.malformed.values())} malformed" + (f" ({reasons})" if reasons else ""))
 
 
-def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig) -> Survey:
-    """Count the rows by fate and hold out the first `eval_prompts` distinct usable prompts (with every
-    row that shares them). Only the small columns come back to the driver."""
-    result = Survey()
+def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig, vocab_size: int) -> Survey:
+    """Count the rows by fate, hold out the first `eval_prompts` distinct usable prompts (with every
+    row that shares them), and count the response tokens of the rest (what a reduced draft vocabulary
+    is chosen from). Only token ids and the small columns come back to the driver."""
+    result = Survey(response_counts=np.zeros(vocab_size, dtype=np.int64))
+    columns = ["error", "prompt", "num_tokens", "input_ids", "loss_mask"]
     try:
-        batches = list(tokenized.select_columns(["error", "prompt", "num_tokens"]).iter_batches(batch_format="numpy"))
+        batches = list(tokenized.select_columns(columns).iter_batches(batch_format="numpy"))
     except DominoError:
         raise
     except Exception as error:  # a file Ray Data cannot read or decode: say which, in one line
         raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
     for batch in batches:
-        for error, prompt, tokens in zip(batch["error"], batch["prompt"], batch["num_tokens"]):
+        for error, prompt, tokens, ids, mask in zip(*(batch[c] for c in columns)):
             result.rows += 1
             if error == TOO_LONG:
                 result.too_long += 1
@@ -283,6 +286,7 @@ def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig) -> Survey:
             else:
                 result.trainable += 1
                 result.tokens += int(tokens)
+                result.response_counts += count_tokens([(ids, mask)], vocab_size)
     return result
 
 

@@ -77,7 +77,7 @@ def run(cfg: PipelineConfig) -> dict:
         checkpoints.check_resumable(state, cfg, drafter)
 
     tokenized = tokenized_conversations(cfg, target_path)
-    found = survey(tokenized, cfg)
+    found = survey(tokenized, cfg, drafter.target_vocab_size)
     print(f"[data] {cfg.data}: {found.summary()}", flush=True)
     check_survey(found, cfg)
 
@@ -93,8 +93,8 @@ def run(cfg: PipelineConfig) -> dict:
             print(f"[regenerate] {count} answers by the target ({outcome['epoch_tokens']} tokens with their "
                   f"prompts) in {time.perf_counter() - start:.0f} s", flush=True)
         vocabulary = None
-        if drafter.draft_vocab_size:
-            counts = response_token_counts(rows, drafter.target_vocab_size)
+        if drafter.draft_vocab_size:  # the target's own answers, when it rewrote them, else the data's
+            counts = response_token_counts(rows, drafter.target_vocab_size) if cfg.regenerate else found.response_counts
             vocabulary = most_frequent(counts, drafter.draft_vocab_size)
             print(f"[vocab] the drafter scores the {drafter.draft_vocab_size} most frequent response tokens, "
                   f"{coverage(counts, vocabulary):.1%} of the training responses", flush=True)
