@@ -1,7 +1,7 @@
 """Benchmark decoding methods side by side on real prompt sets.
 
     python -m pipelines.bench --datasets humaneval mt-bench gsm --methods autoregressive hf-generate \\
-        prompt-lookup oracle domino=$HOME/domino-runs/smollm2-sharegpt/step_000300/drafter --prompts 10 --max-new-tokens 128 --out results/bench
+        prompt-lookup oracle domino=$HOME/domino-runs/smollm2-sharegpt/step_000400/drafter --prompts 10 --max-new-tokens 128 --out results/bench
 
 Every method sees the same target, prompts and limits in one run (greedy); speedups are against plain
 autoregressive decoding from the same run, and "lossless" says whether a method's outputs equal it.

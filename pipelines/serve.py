@@ -7,7 +7,7 @@ verify a different number of drafts (verify=confidence: DSpark's scheduling), an
 disconnects has its generation cancelled.
 
     serve run pipelines.serve:app                                   # the embedded target, no drafter
-    serve run pipelines.serve:build_app drafter=$HOME/domino-runs/smollm2-sharegpt/step_000300/drafter num_cpus=2
+    serve run pipelines.serve:build_app drafter=$HOME/domino-runs/smollm2-sharegpt/step_000400/drafter num_cpus=2
     serve deploy cluster/serve.yaml                                  # a running cluster, autoscaling
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
