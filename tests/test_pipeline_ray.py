@@ -195,4 +195,4 @@ def test_command_line_errors_are_one_line_without_traceback(capsys):
     err = capsys.readouterr().err
     assert err == "error: unknown config key 'stepz' (did you mean 'steps'?)\n"
     assert main(["--help"]) == 0
-    assert "checkpoint_every = 60" in capsys.readouterr().out
+    assert "checkpoint_every = 200" in capsys.readouterr().out
