@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from domino.errors import DominoError
-from domino.sampling import SamplingParams
+from domino.sampling import SamplingParams, fresh_seed
 from domino.target import Target
 from domino.text import TextStream
 
@@ -18,11 +16,16 @@ class GenerationConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: list[int] | None = None  # None: the target's end-of-sequence tokens
     stop_strings: list[str] = field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = None  # None: a fresh seed from the OS
+    logprobs: int | None = None  # return each token's log-probability and this many top alternatives
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise DominoError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise DominoError(f"seed must fit in 64 bits, got {self.seed}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise DominoError(f"logprobs (the number of top alternatives) must be >= 0, got {self.logprobs}")
 
 
 @dataclass
@@ -75,11 +78,23 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    """A committed token's log-probability under the target's own distribution (the raw logits, before
+    temperature, top-k and top-p), and the `top` most likely tokens there with theirs."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class GenerationResult:
     tokens: list[int]
     text: str | None
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "error"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 class RequestState:
@@ -99,10 +114,12 @@ class RequestState:
         self.prompt, self.config = list(prompt_ids), config
         self.stop_ids = set(target.stop_token_ids if config.stop_token_ids is None else config.stop_token_ids)
         self.text = TextStream(target.tokenizer, config.stop_strings) if target.tokenizer is not None else None
-        self.generator = torch.Generator(device=target.device)
-        self.generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+        self.seed = config.seed if config.seed is not None else fresh_seed()
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None
         self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.started = 0.0  # perf_counter() when its prefill began
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.reference: list[int] | None = None  # the oracle's known continuation, when it drafts
 
@@ -117,11 +134,15 @@ class RequestState:
     @property
     def result(self) -> GenerationResult:
         return GenerationResult(self.tokens, self.text.text if self.text else None, self.finish_reason or "length",
-                                self.stats)
+                                self.stats, self.logprobs, self.error)
 
-    def commit(self, tokens: list[int]) -> tuple[list[int], str]:
+    def fail(self, error: str) -> None:
+        """End the request with an error; the others in its batch go on."""
+        self.finish_reason, self.error = "error", error
+
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> tuple[list[int], str]:
         """Append tokens until a stop token, a stop string or the token budget ends the request;
-        return the tokens and the text this released."""
+        return the tokens and the text this released. `logprobs` go with the tokens, one each."""
         new = []
         for token in tokens:
             new.append(token)
@@ -131,11 +152,14 @@ class RequestState:
             if len(self.tokens) + len(new) == self.config.max_new_tokens:
                 self.finish_reason = "length"
                 break
-        self.tokens.extend(new)
         text = ""
         if self.text is not None:
             text = self.text.push(new, final=self.finished)
-            if self.text.stopped:
+            if self.text.stopped:  # a stop string: the tokens after the one that completed it go
                 self.finish_reason = "stop"
+                del new[len(self.text.tokens) - len(self.tokens):]
+        self.tokens.extend(new)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.extend(logprobs[:len(new)])
         self.stats.new_tokens = len(self.tokens)
         return new, text

@@ -1,56 +1,29 @@
-"""Lossless verification of drafted tokens against the target's distributions (DESIGN §5).
+"""Lossless verification of drafted tokens (DESIGN §5).
 
-Both rules work on a batch of rows: row r verifies its first `limits[r]` draft tokens (the rest are
-ignored), and returns how many it accepts plus the token the target commits after them (its own
-choice at the first rejection, or a bonus token when every verified draft passed).
+The target chooses its own token at every verified position: its argmax (T = 0), or at T > 0 the
+winner of the request's exponential race at that position (domino.sampling), which is an exact
+sample from the target's distribution given the tokens before it. A draft is accepted while it equals
+those choices, and the target's choice follows the accepted prefix. The committed tokens are thus
+the target's own whatever was drafted, and at T > 0 the drafter, drawing with the same noise, makes
+the same choice whenever q and p agree closely enough (an acceptance of at least (1 - TV) / (1 + TV)
+per position, against 1 - TV for rejection sampling, which would make the tokens depend on the drafts;
+Daliri et al. 2024, "drafter-invariant speculative decoding").
+
+Rows verify different numbers of drafts: row r judges its first `limits[r]` drafts, ignoring the rest.
 """
 
 from __future__ import annotations
 
 import torch
 
-from domino.sampling import sample
 
-
-def _limit_mask(draft_tokens: torch.Tensor, limits: torch.Tensor | None) -> torch.Tensor:
-    positions = torch.arange(draft_tokens.shape[1], device=draft_tokens.device)
-    if limits is None:
-        return torch.ones_like(draft_tokens, dtype=torch.bool)
-    return positions < limits[:, None]
-
-
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                  limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept the longest prefix of drafts equal to the target's argmax, then commit the target's own
-    argmax. draft_tokens (b, m), target_logits (b, m + 1, V) -> accepted (b,), next_token (b,)."""
-    choice = target_logits.argmax(dim=-1)
-    match = (draft_tokens == choice[:, :-1]) & _limit_mask(draft_tokens, limits)
+def accept(draft_tokens: torch.Tensor, choices: torch.Tensor,
+           limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the longest prefix of drafts equal to the target's choices, then commit the target's
+    choice after it. draft_tokens (b, m), choices (b, m + 1) -> accepted (b,), next_token (b,)."""
+    match = draft_tokens == choices[:, :-1]
+    if limits is not None:
+        match &= torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < limits[:, None]
     accepted = match.long().cumprod(dim=1).sum(dim=1)
-    return accepted, choice.gather(1, accepted[:, None])[:, 0]
+    return accepted, choices.gather(1, accepted[:, None])[:, 0]
 
-
-def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                       limits: torch.Tensor | None = None,
-                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling: accept draft d_k with probability min(1, p_k(d_k) / q_k(d_k)); at the first
-    rejection sample from norm(max(p_k - q_k, 0)); after all verified drafts pass, sample p_m.
-    draft_probs (b, m, V) are the q the drafts were drawn from; target_probs (b, m + 1, V)."""
-    b, m = draft_tokens.shape
-    p = target_probs[:, :m].gather(-1, draft_tokens[..., None])[..., 0]
-    q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
-    u = torch.rand(b, m, generator=generator, device=draft_tokens.device)
-    passed = (u * q < p) & _limit_mask(draft_tokens, limits)
-    accepted = passed.long().cumprod(dim=1).sum(dim=1)
-
-    rows = torch.arange(b, device=draft_tokens.device)
-    p_next = target_probs[rows, accepted]
-    rejected = accepted < (limits if limits is not None else torch.full_like(accepted, m))
-    if m:
-        q_next = draft_probs[rows, accepted.clamp(max=m - 1)]
-        residual = torch.clamp(p_next - q_next, min=0)
-        mass = residual.sum(-1, keepdim=True)
-        # A rejection implies p < q at the draft, hence p > q elsewhere: the residual has mass
-        # (up to rounding, when p and q agree everywhere; then p itself is the right law).
-        use_residual = rejected[:, None] & (mass > 0)
-        p_next = torch.where(use_residual, residual / mass.clamp(min=1e-30), p_next)
-    return accepted, sample(p_next, generator)

@@ -37,9 +37,13 @@ class NoisyOracle(DecodingEngine):
     """Proposes the target's greedy continuation with every token corrupted with probability 0.3,
     so that rounds accept every possible number of drafts."""
 
+    corruption: torch.Generator | None = None
+
     def _propose(self, states, anchors, positions, sampling, caps):
         draft = super()._propose(states, anchors, positions, sampling, caps)
-        corrupt = torch.rand(draft.tokens.shape, generator=states[0].generator) < 0.3
+        if self.corruption is None:  # seeded by the first request's seed: a pattern per test case
+            self.corruption = torch.Generator().manual_seed(states[0].seed)
+        corrupt = torch.rand(draft.tokens.shape, generator=self.corruption) < 0.3
         draft.tokens = torch.where(corrupt, (draft.tokens + 1) % self.target.vocab_size, draft.tokens)
         return draft
 
@@ -115,10 +119,13 @@ def test_stop_strings_end_the_text_before_them(embedded_target):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be positive"),
-    (lambda: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+    (lambda: SamplingParams(temperature=-0.5), "temperature must be a finite number >= 0"),
     (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (lambda: SamplingParams(top_k=-1), "top_k must be >= 0"),
+    (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
+    (lambda: GenerationConfig(seed=1 << 64), "seed must fit in 64 bits"),
+    (lambda: GenerationConfig(logprobs=-1), "logprobs .* must be >= 0"),
 ])
 def test_bad_parameters_are_refused(make, message):
     with pytest.raises(DominoError, match=message):
