@@ -50,10 +50,18 @@ class Event:
     tokens: list[int]  # committed this step
     text: str  # text released this step
     result: GenerationResult | None  # set on the request's last event
+    logprobs: list[TokenLogprob] | None = None  # of `tokens`, when the request asked for them
 
     @property
     def finished(self) -> bool:
         return self.result is not None
+
+
+def event(request_id: str, state: RequestState, tokens: list[int], text: str) -> Event:
+    """What a step reports about one request: the tokens it just committed (with their
+    log-probabilities, the last ones the request holds), and its result once it finished."""
+    logprobs = state.logprobs[len(state.logprobs) - len(tokens):] if state.logprobs is not None else None
+    return Event(request_id, tokens, text, state.result if state.finished else None, logprobs)
 
 
 class DecodingEngine:
@@ -134,7 +142,7 @@ class DecodingEngine:
             self.states[request_id] = state
             self.anchors.append(int(first))
         state.stats.total_s = time.perf_counter() - start
-        return Event(request_id, tokens, text, state.result if state.finished else None)
+        return event(request_id, state, tokens, text)
 
     def _first_token(self, state: RequestState, logits: torch.Tensor) -> tuple[int | None, list[TokenLogprob] | None]:
         """The token after the prompt and its log-probabilities; None when the logits are broken (the
@@ -226,7 +234,7 @@ class DecodingEngine:
                                             if top is not None else None)
                 self.anchors[r] = committed[-1]
             state.stats.total_s = time.perf_counter() - state.started
-            events.append(Event(request_id, tokens, text, state.result if state.finished else None))
+            events.append(event(request_id, state, tokens, text))
             if state.finished:
                 done.append(request_id)
         self._retire(done)

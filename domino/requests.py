@@ -70,11 +70,33 @@ class GenerationStats:
             self.accepted[k] += k < accepted
         self.accept_lengths.append(accepted + 1)
 
+    @property
+    def speculative_decoding(self) -> dict:
+        """vLLM's per-request names: a draft is a round that verified at least one drafted token."""
+        drafts = self.proposed[0] if self.proposed else 0
+        accepted = sum(self.accepted)
+        return dict(num_drafts=drafts, num_draft_tokens=sum(self.proposed), num_accepted_draft_tokens=accepted,
+                    num_accepted_draft_tokens_per_pos=list(self.accepted),
+                    mean_acceptance_length=1 + accepted / drafts if drafts else 1.0)
+
     def as_dict(self) -> dict:
-        return dict(prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens, rounds=self.rounds,
-                    tau=self.tau, acceptance_by_position=self.acceptance_by_position,
+        return dict(speculative_decoding=self.speculative_decoding, prompt_tokens=self.prompt_tokens,
+                    new_tokens=self.new_tokens, rounds=self.rounds, tau=self.tau,
+                    acceptance_by_position=self.acceptance_by_position,
                     prefill_s=self.prefill_s, draft_s=self.draft_s, verify_s=self.verify_s, other_s=self.other_s,
                     total_s=self.total_s, tokens_per_second=self.tokens_per_second)
+
+    @classmethod
+    def combined(cls, parts: list["GenerationStats"]) -> "GenerationStats":
+        """The statistics of one request's several choices (rows decoded side by side): counts and
+        compute times add up; the wall time is the longest choice's."""
+        width = max((len(p.proposed) for p in parts), default=0)
+        return cls(prompt_tokens=parts[0].prompt_tokens, new_tokens=sum(p.new_tokens for p in parts),
+                   accept_lengths=[n for p in parts for n in p.accept_lengths],
+                   proposed=[sum(p.proposed[k] for p in parts if k < len(p.proposed)) for k in range(width)],
+                   accepted=[sum(p.accepted[k] for p in parts if k < len(p.accepted)) for k in range(width)],
+                   prefill_s=sum(p.prefill_s for p in parts), draft_s=sum(p.draft_s for p in parts),
+                   verify_s=sum(p.verify_s for p in parts), total_s=max(p.total_s for p in parts))
 
 
 @dataclass
