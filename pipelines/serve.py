@@ -113,6 +113,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+# With stream: true, each server-sent event's `data` is one JSON object (or the final [DONE]).
+SSE_CONTENT = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
+
+
 def openapi_schema() -> dict[str, Any]:
     """FastAPI's schema, less the 422 responses it adds to every route: validation errors are 400s here."""
     if api.openapi_schema is None:
@@ -279,8 +284,9 @@ class OpenAIServer:
         return ModelList(data=[ModelCard(id=self.model, created=self.created)])
 
     @api.post("/v1/completions", response_model=CompletionResponse, responses={
-        **ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-                        "description": "the completion, or with stream: true its chunks as server-sent events"}})
+        **ERRORS, 200: {"content": SSE_CONTENT,
+                        "description": "the completion, or with stream: true its chunks as server-sent events "
+                                       "(CompletionResponse objects, then [DONE])"}})
     async def completions(self, request: CompletionRequest):
         if isinstance(request.prompt, str):
             prompt_ids = self.target.encode_prompt(request.prompt, chat=False)
@@ -289,9 +295,9 @@ class OpenAIServer:
         return await self.generate(request, prompt_ids, chat=False)
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
-        **ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+        **ERRORS, 200: {"content": SSE_CONTENT,
                         "description": "the chat completion, or with stream: true its chunks as server-sent "
-                                       "events (ChatCompletionChunk objects)"}})
+                                       "events (ChatCompletionChunk objects, then [DONE])"}})
     async def chat_completions(self, request: ChatCompletionRequest):
         prompt_ids = self.target.encode_prompt([message.as_template_input() for message in request.messages])
         return await self.generate(request, prompt_ids, chat=True)

@@ -145,3 +145,18 @@ def test_bad_prompts_are_refused(target):
 def test_drafter_for_another_target_is_refused(target):
     with pytest.raises(DominoError, match="trained for a target with hidden size"):
         SpeculativeDecoder(target, tiny_drafter(tiny_target(hidden_size=32)))
+
+
+def test_stop_strings_give_the_same_tokens_speculative_or_plain(embedded_target):
+    """A round commits several tokens at once; those after the one that completed the stop string are
+    dropped, so tokens and their count are what plain decoding (one token a round) gives."""
+    prompt = embedded_target.encode_prompt("List the days of the week, one per line.")
+    config = GenerationConfig(max_new_tokens=40, stop_strings=["day\n", "Thu"])
+    plain = SpeculativeDecoder(embedded_target, None).generate(prompt, config)
+    oracle = SpeculativeDecoder(embedded_target, "oracle", block_size=8).generate(prompt, config)
+    assert oracle.finish_reason == plain.finish_reason == "stop"
+    assert oracle.tokens == plain.tokens and oracle.text == plain.text
+    assert max(oracle.stats.accept_lengths) > 1  # rounds did commit several tokens
+    decode = embedded_target.tokenizer.decode
+    assert any(s in decode(oracle.tokens) for s in config.stop_strings)
+    assert not any(s in decode(oracle.tokens[:-1]) for s in config.stop_strings)
