@@ -367,6 +367,15 @@ def test_sdk_chat_completions_and_streaming(client, reference):
     assert text == reply.choices[0].message.content and chunks[-1].usage == reply.usage
 
 
+def test_sdk_models_and_streamed_completions(client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    whole = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
 def test_sdk_completions_stop_seed_and_top_k(client):
     first = client.completions.create(model="tiny", prompt="Hello world", max_tokens=24, temperature=1.0, seed=5,
                                       extra_body={"top_k": 40})
@@ -431,13 +440,16 @@ def test_sdk_error_classes(client):
 # -- the published schema against the live server ---------------------------------------------------
 
 
+MAX_EXAMPLES = int(os.environ.get("DOMINO_FUZZ_EXAMPLES", "25"))  # per operation
+
+
 def bounded(max_tokens) -> int:
     return min(max_tokens, 4) if type(max_tokens) is int and max_tokens > 0 else 4
 
 
 def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(server):
-    """A bounded schemathesis run over every operation of the server's own /openapi.json (25 examples
-    each): no 5xx, and every response conforms to the schema (status code, content type, body)."""
+    """A bounded schemathesis run over every operation of the server's own /openapi.json (MAX_EXAMPLES
+    each, $DOMINO_FUZZ_EXAMPLES for a longer run): no 5xx, and every response conforms to the schema (status code, content type, body)."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.checks import not_a_server_error
@@ -450,8 +462,8 @@ def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(server):
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
     for operation in operations:
         @given(case=operation.as_strategy())
-        @settings(max_examples=25, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-                  database=None)
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, phases=[Phase.generate], database=None,
+                  suppress_health_check=list(HealthCheck))
         def check(case) -> None:
             if isinstance(case.body, dict):  # bounded generations, so the run takes seconds
                 case.body["max_tokens"] = bounded(case.body.get("max_tokens"))
