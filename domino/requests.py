@@ -125,6 +125,8 @@ class RequestState:
     def __init__(self, target: Target, prompt_ids: list[int], config: GenerationConfig):
         if not prompt_ids:
             raise DominoError("the prompt is empty: give at least one token")
+        if not all(0 <= token < target.vocab_size for token in prompt_ids):
+            raise DominoError(f"prompt token ids must lie in 0..{target.vocab_size - 1}")
         if len(prompt_ids) >= target.max_length:
             raise DominoError(f"the prompt has {len(prompt_ids)} tokens but the target's context holds {target.max_length}")
         if len(prompt_ids) + config.max_new_tokens > target.max_length:

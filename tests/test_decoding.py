@@ -136,6 +136,8 @@ def test_bad_prompts_are_refused(target):
     decoder = SpeculativeDecoder(target, None)
     with pytest.raises(DominoError, match="prompt is empty"):
         decoder.start([], GenerationConfig())
+    with pytest.raises(DominoError, match=r"prompt token ids must lie in 0\.\.95"):
+        decoder.start([3, 96], GenerationConfig())
     with pytest.raises(DominoError, match="prompt has 1024 tokens but the target's context holds 1024"):
         decoder.start([1] * 1024, GenerationConfig())
     with pytest.raises(DominoError, match="lower max_new_tokens to 24"):
