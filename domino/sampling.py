@@ -5,8 +5,8 @@ Random numbers are counter-based: the draw for the token at position t of a requ
 noise that depends on (s, t) alone (`noise`). A request's tokens therefore do not depend on which
 requests share its batch, on how many drafts a round verifies, or on whether it is drafted at all,
 and no process-wide generator is touched. The drafter proposes with the very noise the target then
-chooses with (exponential races: token = argmax p / E): when q is close to p the proposal is
-usually the target's own choice, and the committed token never depends on the proposal.
+chooses with (Gumbel-max: token = argmax log p + g): when q is close to p the proposal is usually
+the target's own choice, and the committed token never depends on the proposal.
 """
 
 from __future__ import annotations
@@ -89,11 +89,12 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 def noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Exponential(1) noise (vocab,) for the token at `position` of the request with `seed`: a pure
-    function of the two. Float32 uniforms sit at the centre of their 2^-24 cells, so none is 0 or 1."""
+    """Gumbel noise (vocab,) for the token at `position` of the request with `seed`: a pure function of
+    the two. argmax(log p + noise) is then an exact draw from p (the exponential race argmax p / E with
+    E = exp(-noise)). Float32 uniforms sit at the centre of their 2^-24 cells, so none is 0 or 1."""
     generator = torch.Generator(device=device).manual_seed(_splitmix(_splitmix(seed & UINT64) + position))
     uniform = torch.rand(vocab, generator=generator, device=device) + 2.0 ** -25
-    return uniform.log_().neg_()
+    return uniform.log_().neg_().log_().neg_()
 
 
 class RowSampling:
@@ -114,14 +115,21 @@ class RowSampling:
     def all_greedy(self) -> bool:
         return bool(self.greedy.all())
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """Per-row sampling distributions of logits (n, ..., V); rows that decode greedily get zeros."""
-        probs = torch.zeros_like(logits, dtype=torch.float32)
-        for params in set(self.params):
+    def log_probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-row log sampling distributions of logits (n, ..., V); rows that decode greedily get -inf."""
+        groups = set(self.params)
+        if len(groups) == 1 and not self.params[0].greedy:
+            return log_probabilities(logits, self.params[0])
+        logp = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+        for params in groups:
             if not params.greedy:
                 rows = torch.tensor([p == params for p in self.params])
-                probs[rows] = probabilities(logits[rows], params)
-        return probs
+                logp[rows] = log_probabilities(logits[rows], params)
+        return logp
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-row sampling distributions of logits (n, ..., V); rows that decode greedily get zeros."""
+        return self.log_probabilities(logits).exp()
 
     def noise(self, row: int, position: int, vocab: int, device: torch.device) -> torch.Tensor:
         key = (row, position)
@@ -130,25 +138,25 @@ class RowSampling:
         return self._noise[key]
 
     def _draw(self, logits: torch.Tensor, positions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens (n, m) for logits (n, m, V) at positions[r][j]: the argmax for greedy rows, else the
-        winner of the row's exponential race argmax p / E."""
+        """Tokens (n, m) for logits (n, m, V) at positions[r][j]: the argmax for greedy rows, else
+        argmax(log p + the row's noise there); and the log-distributions (None if all greedy)."""
         tokens = logits.argmax(dim=-1)
         if self.all_greedy:
             return tokens, None
-        probs = self.probabilities(logits)
+        logp = self.log_probabilities(logits)
         vocab = logits.shape[-1]
         for r in torch.nonzero(~self.greedy).flatten().tolist():
-            race = torch.stack([self.noise(r, t, vocab, logits.device) for t in positions[r]])
-            tokens[r] = (probs[r] / race).argmax(dim=-1)
-        return tokens, probs
+            gumbel = torch.stack([self.noise(r, t, vocab, logits.device) for t in positions[r]])
+            tokens[r] = (logp[r] + gumbel).argmax(dim=-1)
+        return tokens, logp
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token per row of logits (n, V), at the next position of the block. Returns the tokens
         and the distributions they were drawn from (None if all greedy)."""
         positions = (self.start + self.calls).tolist()
         self.calls += 1
-        tokens, probs = self._draw(logits[:, None], [[t] for t in positions])
-        return tokens[:, 0], None if probs is None else probs[:, 0]
+        tokens, logp = self._draw(logits[:, None], [[t] for t in positions])
+        return tokens[:, 0], None if logp is None else logp[:, 0].exp()
 
     def choices(self, logits: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         """The token each row commits at positions first[r], first[r] + 1, ... for logits (n, m, V)."""

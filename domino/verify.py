@@ -1,7 +1,7 @@
 """Lossless verification of drafted tokens (DESIGN §5).
 
 The target chooses its own token at every verified position: its argmax (T = 0), or at T > 0 the
-winner of the request's exponential race at that position (domino.sampling), which is an exact
+winner of the request's Gumbel-max race at that position (domino.sampling), which is an exact
 sample from the target's distribution given the tokens before it. A draft is accepted while it equals
 those choices, and the target's choice follows the accepted prefix. The committed tokens are thus
 the target's own whatever was drafted, and at T > 0 the drafter, drawing with the same noise, makes
