@@ -21,6 +21,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -118,8 +119,28 @@ SSE_CONTENT = {"text/event-stream": {"schema": {"type": "object", "required": ["
                                                 "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
 
 
+@dataclass(frozen=True)
+class ServedLimits:
+    """What the replica's model adds to the request schema: its name, vocabulary and context."""
+
+    model: str
+    vocab_size: int
+    context: int
+
+    def apply(self, schemas: dict[str, Any]) -> None:
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            fields = schemas[name]["properties"]
+            fields["model"]["anyOf"][0]["enum"] = [self.model]
+            for field in ("max_tokens", "max_completion_tokens"):
+                if field in fields:
+                    fields[field]["anyOf"][0]["maximum"] = self.context - 1
+        token_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
+        token_ids["items"]["maximum"] = self.vocab_size - 1
+
+
 def openapi_schema() -> dict[str, Any]:
-    """FastAPI's schema, less the 422 responses it adds to every route: validation errors are 400s here."""
+    """FastAPI's schema, less the 422 responses it adds to every route (validation errors are 400s
+    here), with the served model's limits (set by the replica)."""
     if api.openapi_schema is None:
         schema = get_openapi(title=api.title, version="1.0.0", description=api.description, routes=api.routes)
         for path in schema["paths"].values():
@@ -127,11 +148,21 @@ def openapi_schema() -> dict[str, Any]:
                 operation.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
+        limits: ServedLimits | None = getattr(api.state, "limits", None)
+        if limits is not None:
+            limits.apply(schema["components"]["schemas"])
         api.openapi_schema = schema
     return api.openapi_schema
 
 
 api.openapi = openapi_schema
+
+
+def publish_limits(limits: ServedLimits) -> None:
+    """Put the served model's limits into the schema. A module function, so that the replica (whose
+    class Serve ships by value, with copies of the globals it names) reaches the module's own app."""
+    api.state.limits = limits
+    api.openapi_schema = None
 
 
 @api.exception_handler(ApiError)
@@ -266,6 +297,7 @@ class OpenAIServer:
         engine = load_engine(args)
         self.target = engine.target
         self.model = args.served_name
+        publish_limits(ServedLimits(self.model, self.target.vocab_size, self.target.max_length))
         self.created = int(time.time())
         self.runner = EngineRunner(engine, ReplicaMetrics(self.model))
 

@@ -449,14 +449,19 @@ def bounded(max_tokens) -> int:
 
 def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(server):
     """A bounded schemathesis run over every operation of the server's own /openapi.json (MAX_EXAMPLES
-    each, $DOMINO_FUZZ_EXAMPLES for a longer run): no 5xx, and every response conforms to the schema (status code, content type, body)."""
+    each, $DOMINO_FUZZ_EXAMPLES for a longer run): no 5xx, every response conforms to the schema
+    (status code, content type, body), and what the schema allows is accepted (it states the
+    validation's limits, the served model's name, vocabulary and context included)."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                                   status_code_conformance)
+    from schemathesis.specs.openapi.checks import (content_type_conformance, positive_data_acceptance,
+                                                   response_schema_conformance, status_code_conformance)
 
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+              positive_data_acceptance]
+    published = requests.get(f"{server}/openapi.json", timeout=30).json()["components"]["schemas"]
+    assert published["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]["maximum"] == 49151
     schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}

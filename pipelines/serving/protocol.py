@@ -126,6 +126,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    # top_logprobs needs logprobs: true, as the validator below enforces
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0, description="OpenAI's newer name for max_tokens")
     logprobs: bool = Field(False, description="each token's log-probability under the model")
