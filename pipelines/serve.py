@@ -11,7 +11,8 @@ disconnects has its generation cancelled.
     serve deploy cluster/serve.yaml                                  # a running cluster, autoscaling
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events), GET /v1/models, GET /health.
+events, `n` choices as rows of the batch, and logprobs), GET /v1/models, GET /health. A request
+whose row fails on the engine gets a 500 with the reason; the requests beside it go on.
 """
 
 import asyncio
@@ -115,8 +116,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 # With stream: true, each server-sent event's `data` is one JSON object (or the final [DONE]).
-SSE_CONTENT = {"text/event-stream": {"schema": {"type": "object", "required": ["data"],
-                                                "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+SSE_CONTENT = {"text/event-stream": {"schema": SSE_EVENT}}
 
 
 @dataclass(frozen=True)

@@ -326,7 +326,8 @@ def test_requests_that_once_failed_the_batch_leave_their_neighbours_alone(server
     healthy = [dict(prompt="Alpha beta gamma", max_tokens=30, temperature=1.0, seed=11),
                dict(prompt="One two three four", max_tokens=30, temperature=0)]
     alone = [post(server, COMPLETIONS, **body).json()["choices"][0]["text"] for body in healthy]
-    edges = [dict(prompt="Hello", max_tokens=12, temperature=1e-300), dict(prompt="Hi", max_tokens=12, temperature=5e-324),
+    edges = [dict(prompt="Hello", max_tokens=12, temperature=1e-300),
+             dict(prompt="Hi", max_tokens=12, temperature=5e-324),
              dict(messages=HELLO, max_tokens=12, temperature=1e-45, top_p=1e-300)]
     texts, statuses = [None, None], []
 
