@@ -167,11 +167,16 @@ class Drafter(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target_modules[0](ids).to(self.fc.weight.dtype)
 
+    def target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's own LM head over its whole vocabulary (what distillation compares with)."""
+        head = self.target_modules[1]
+        return head(h.to(head.weight.dtype)).float()
+
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (the target's whole one unless it is reduced)."""
-        head = self.target_modules[1]
         if self.draft_to_target is None:
-            return head(h.to(head.weight.dtype)).float()
+            return self.target_logits(h)
+        head = self.target_modules[1]
         bias = None if head.bias is None else head.bias[self.draft_to_target]
         return F.linear(h.to(self.head_rows.dtype), self.head_rows, bias).float()
 

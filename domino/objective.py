@@ -187,8 +187,7 @@ class DraftingObjective(nn.Module):
         if cfg.distill:
             with torch.no_grad():  # the target's own next-token distribution at each block position
                 target_hidden = batch["final_hidden"][packed.rows[trained], packed.positions[trained]]
-                head = drafter.target_modules[1]
-                p_target = drafter.on_draft_vocabulary(torch.softmax(head(target_hidden.to(head.weight.dtype)).float(), dim=-1))
+                p_target = drafter.on_draft_vocabulary(torch.softmax(drafter.target_logits(target_hidden), dim=-1))
             # the target's mass outside a reduced draft vocabulary is distance the drafter cannot close
             tv = 0.5 * ((torch.softmax(final, dim=-1) - p_target).abs().sum(dim=-1) + (1 - p_target.sum(dim=-1)))
             loss = 0.1 * ce + 0.9 * weighted_mean(tv)

@@ -273,6 +273,7 @@ def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig, vocab_size: int) ->
     except Exception as error:  # a file Ray Data cannot read or decode: say which, in one line
         raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
     for batch in batches:
+        trained = []
         for error, prompt, tokens, ids, mask in zip(*(batch[c] for c in columns)):
             result.rows += 1
             if error == TOO_LONG:
@@ -286,7 +287,8 @@ def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig, vocab_size: int) ->
             else:
                 result.trainable += 1
                 result.tokens += int(tokens)
-                result.response_counts += count_tokens([(ids, mask)], vocab_size)
+                trained.append((ids, mask))
+        result.response_counts += count_tokens(trained, vocab_size)
     return result
 
 

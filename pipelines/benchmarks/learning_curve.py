@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from domino.acceptance import greedy_accepted
@@ -32,7 +33,7 @@ from domino.objective import DraftingObjective, ObjectiveConfig, curriculum_lamb
 from domino.target import DEFAULT_TARGET, Target, resolve_target
 from domino.training import AdamWStep, MetricsWindow, TrainConfig
 from domino.vocabulary import count_tokens, most_frequent
-from pipelines.data import MalformedRow, embedded_sharegpt, embedded_sharegpt_tail, to_messages, tokenize_conversation
+from pipelines.data import TOO_LONG, embedded_sharegpt, embedded_sharegpt_tail, tokenize_batch
 from pipelines.features import Regenerate, TargetFeatures
 from pipelines.trainer import PadCollate
 
@@ -87,29 +88,27 @@ class Curve:
     points: list[dict] = field(default_factory=list)  # minutes, tokens, steps, tau
 
 
-def text_sequences(target: Target, count: int, max_length: int) -> Sequences:
-    ids, masks = [], []
-    for line in embedded_sharegpt(count):
-        try:
-            i, m = tokenize_conversation(to_messages({"json_line": line}), target.tokenizer, max_length)
-        except MalformedRow:
-            continue
-        if m[1:].any():
-            ids.append(i)
-            masks.append(m)
-    return Sequences(ids, masks)
+def sharegpt_rows(target_path: str, count: int, max_length: int) -> dict[str, list]:
+    """The first `count` embedded ShareGPT conversations, tokenised as the training pipeline does."""
+    return tokenize_batch(pa.table({"json_line": embedded_sharegpt(count)}), target_path, max_length)
 
 
-def first_prompts(count: int) -> list[str]:
-    prompts = []
-    for line in embedded_sharegpt(count):
-        try:
-            messages = to_messages({"json_line": line})
-        except MalformedRow:
-            continue
-        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompts.append(json.dumps(messages[:first]))
-    return prompts
+def text_sequences(rows: dict[str, list]) -> Sequences:
+    """The conversations fit to train on, as they are."""
+    usable = [i for i, error in enumerate(rows["error"]) if not error]
+    return Sequences([rows["input_ids"][i] for i in usable], [rows["loss_mask"][i] for i in usable])
+
+
+def first_prompts(rows: dict[str, list]) -> list[str]:
+    """The prompt before the first answer of every well-formed conversation (the target answers it)."""
+    return [prompt for prompt, error in zip(rows["prompt"], rows["error"]) if error in ("", TOO_LONG)]
+
+
+def object_column(values: list) -> np.ndarray:
+    """A numpy object array of `values`, the form Ray Data hands the actors and the collate."""
+    column = np.empty(len(values), dtype=object)
+    column[:] = values
+    return column
 
 
 def regenerated_sequences(target_path: str, prompts: list[str], max_length: int, new_tokens: int) -> Sequences:
@@ -142,11 +141,8 @@ class FeatureStore:
         """The rows of sequences `picked` and what making them cost."""
         missing = [i for i in picked if i not in self.rows]
         if missing:
-            def column(values):
-                out = np.empty(len(missing), dtype=object)
-                out[:] = [values[i] for i in missing]
-                return out
-            out = self.actor({"input_ids": column(self.sequences.ids), "loss_mask": column(self.sequences.masks)})
+            out = self.actor({"input_ids": object_column([self.sequences.ids[i] for i in missing]),
+                              "loss_mask": object_column([self.sequences.masks[i] for i in missing])})
             for j, i in enumerate(missing):
                 self.rows[i] = {key: out[key][j] for key in out if key != "target_seconds"}
                 self.seconds[i] = out["target_seconds"][j] + self.sequences.seconds_each
@@ -155,10 +151,7 @@ class FeatureStore:
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     """The trainers' own padding collate, over rows kept by a FeatureStore."""
-    columns = {}
-    for key in rows[0]:
-        columns[key] = np.empty(len(rows), dtype=object)
-        columns[key][:] = [row[key] for row in rows]
+    columns = {key: object_column([row[key] for row in rows]) for key in rows[0]}
     batch = PadCollate("bfloat16")({**columns, "target_seconds": np.zeros(len(rows))})
     batch.pop("target_seconds")
     return batch
@@ -271,6 +264,7 @@ def main() -> None:
     held = regenerated_sequences(target_path, held_prompts, args.max_length + args.new_tokens, args.new_tokens)
     held_out = HeldOut(target, held)
 
+    rows = sharegpt_rows(target_path, args.conversations, args.max_length)
     sequences: dict[str, Sequences] = {}
     stores: dict[tuple, FeatureStore] = {}
     curves = []
@@ -278,8 +272,8 @@ def main() -> None:
         variant = VARIANTS[name]
         if variant.data not in sequences:
             print(f"# making the '{variant.data}' training data", flush=True)
-            sequences[variant.data] = text_sequences(target, args.conversations, args.max_length) if variant.data == "text" \
-                else regenerated_sequences(target_path, first_prompts(args.conversations), args.max_length, args.new_tokens)
+            sequences[variant.data] = text_sequences(rows) if variant.data == "text" \
+                else regenerated_sequences(target_path, first_prompts(rows), args.max_length, args.new_tokens)
         data = sequences[variant.data]
         key = (variant.data, variant.layer_ids, variant.labels == "target", variant.distill)
         if key not in stores:
