@@ -4,8 +4,10 @@ Each `step` admits waiting requests (prefill: one target forward over the prompt
 drafter's features, and the first token), then runs one round for every request in flight:
 
   draft a block for all rows at once -> choose how many drafts each row verifies -> verify all rows in
-  one target forward -> accept per row (greedy match or speculative sampling) -> keep the accepted
-  slots in both caches -> commit, and retire the rows that finished.
+  one target forward -> accept per row (greedy match or speculative sampling, verify.py) -> keep the
+  accepted slots in both caches -> commit, and retire the rows that finished.
+
+A row whose logits are broken (NaN or inf) ends alone with an error; the others go on.
 
 Rows advance by different numbers of tokens (ragged); the caches handle that with holes (ragged.py).
 Plain autoregressive decoding is the same loop with no drafter (each round verifies just the anchor),
@@ -23,13 +25,24 @@ import torch.nn.functional as F
 from domino.drafter import ContextCache, Draft, Drafter
 from domino.errors import DominoError
 from domino.ragged import BatchCaches
-from domino.requests import GenerationConfig, GenerationResult, RequestState
-from domino.sampling import RowSampling
+from domino.requests import GenerationConfig, GenerationResult, RequestState, TokenLogprob
+from domino.sampling import ACCEPT, TARGET, RowSampling
 from domino.scheduler import FullVerify
 from domino.target import Target
 from domino.verify import greedy_accept, speculative_accept
 
 PAD = 0  # token id fed in padding slots; they are masked out everywhere
+NOT_FINITE = "the target's logits for this request are not finite (NaN or inf): the model overflowed on its input"
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under the target's raw logits (len(tokens), V) at the positions
+    that chose it, with the `top` most likely tokens there."""
+    logp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens, device=logp.device)].tolist()
+    best = logp.topk(top, dim=-1) if top else None
+    return [TokenLogprob(token, value, list(zip(best.indices[j].tolist(), best.values[j].tolist())) if top else [])
+            for j, (token, value) in enumerate(zip(tokens, chosen))]
 
 
 @dataclass
@@ -38,10 +51,18 @@ class Event:
     tokens: list[int]  # committed this step
     text: str  # text released this step
     result: GenerationResult | None  # set on the request's last event
+    logprobs: list[TokenLogprob] | None = None  # of `tokens`, when the request asked for them
 
     @property
     def finished(self) -> bool:
         return self.result is not None
+
+
+def event(request_id: str, state: RequestState, tokens: list[int], text: str) -> Event:
+    """What a step reports about one request: the tokens it just committed (with their
+    log-probabilities, the last ones the request holds), and its result once it finished."""
+    logprobs = state.logprobs[len(state.logprobs) - len(tokens):] if state.logprobs is not None else None
+    return Event(request_id, tokens, text, state.result if state.finished else None, logprobs)
 
 
 class DecodingEngine:
@@ -50,6 +71,7 @@ class DecodingEngine:
     request verifies (scheduler.py; default: all of them)."""
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int = 16, policy=None):
+        target.check_batchable()
         if isinstance(drafter, Drafter):
             drafter.config.check_target(target)
             block_size = drafter.config.num_drafts
@@ -65,7 +87,6 @@ class DecodingEngine:
         self.ids: list[str] = []  # request id of each batch row
         self.states: dict[str, RequestState] = {}
         self.anchors: list[int] = []  # each row's last committed token, not yet fed to the target
-        self.started: dict[str, float] = {}
         self.caches: BatchCaches | None = None
 
     # -- requests --------------------------------------------------------------------------------
@@ -98,12 +119,12 @@ class DecodingEngine:
     def _admit(self, request_id: str, state: RequestState) -> Event:
         if self.drafter == "oracle":  # outside the request's clock: it stands for a perfect drafter
             state.reference = self._greedy_continuation(state)
-        start = self.started[request_id] = time.perf_counter()
+        start = state.started = time.perf_counter()
         target = self.target
         prompt = torch.tensor([state.prompt], device=target.device)
         cache = target.new_cache()
         out = target.forward(prompt, cache, layer_ids=self.layer_ids, last_logits_only=True)
-        first, _ = RowSampling([state.config.sampling], [state.generator]).choose(out.logits[:, -1])
+        first, logprobs = self._first_token(state, out.logits[:, -1])
         state.stats.prefill_s = time.perf_counter() - start
 
         context = None
@@ -112,7 +133,7 @@ class DecodingEngine:
             context = ContextCache(project=self.drafter.context_kv)
             self.drafter.extend_context(context, out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
             state.stats.draft_s += time.perf_counter() - begin
-        tokens, text = state.commit([int(first)])
+        tokens, text = state.commit([first], logprobs) if first is not None else ([], "")
         if not state.finished:
             joining = BatchCaches(cache, context, torch.ones_like(prompt, dtype=torch.bool))
             if self.caches is None:
@@ -123,7 +144,18 @@ class DecodingEngine:
             self.states[request_id] = state
             self.anchors.append(int(first))
         state.stats.total_s = time.perf_counter() - start
-        return Event(request_id, tokens, text, state.result if state.finished else None)
+        return event(request_id, state, tokens, text)
+
+    def _first_token(self, state: RequestState, logits: torch.Tensor) -> tuple[int | None, list[TokenLogprob] | None]:
+        """The token after the prompt and its log-probabilities; None when the logits are broken (the
+        request fails, alone)."""
+        if not bool(torch.isfinite(logits).all()):
+            state.fail(NOT_FINITE)
+            return None, None
+        sampling = RowSampling([state.config.sampling], [state.seed], torch.tensor([len(state.prompt)]))
+        first = int(sampling.target_tokens(logits)[0])
+        top = state.config.logprobs
+        return first, token_logprobs(logits, [first], top) if top is not None else None
 
     def _greedy_continuation(self, state: RequestState) -> list[int]:
         plain = DecodingEngine(self.target)
@@ -150,26 +182,27 @@ class DecodingEngine:
 
     def _accept(self, drafts: torch.Tensor, draft: Draft | None, logits: torch.Tensor, lengths: torch.Tensor,
                 sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, how many drafts pass and the token committed after them."""
+        """Per row, how many drafts pass and the token committed after them: greedy rows by exact
+        match, the others by speculative sampling on their own random numbers."""
         accepted, following = greedy_accept(drafts, logits, lengths)
         if sampling.all_greedy:
             return accepted, following
-        target_probs = sampling.probabilities(logits)
-        width = drafts.shape[1]
-        for r in torch.nonzero(~sampling.greedy).flatten().tolist():
-            q = draft.probs[r:r + 1, :width] if draft is not None else logits.new_zeros(1, 0, logits.shape[-1])
-            a, f = speculative_accept(drafts[r:r + 1], q, target_probs[r:r + 1], lengths[r:r + 1],
-                                      sampling.generators[r])
-            accepted[r], following[r] = a[0], f[0]
+        sampled = ~sampling.greedy.to(logits.device)
+        m = drafts.shape[1]
+        q = draft.probs[sampled, :m] if m else logits.new_zeros(int(sampled.sum()), 0, logits.shape[-1])
+        accepted[sampled], following[sampled] = speculative_accept(
+            drafts[sampled], q, sampling.probabilities(logits)[sampled],
+            sampling.uniforms(ACCEPT, m, logits.device)[sampled], sampling.uniforms(TARGET, m + 1, logits.device)[sampled],
+            lengths[sampled])
         return accepted, following
 
     @torch.no_grad()
     def _round(self) -> list[Event]:
         states = [self.states[i] for i in self.ids]
         device = self.target.device
-        sampling = RowSampling([s.config.sampling for s in states], [s.generator for s in states])
-        anchors = torch.tensor(self.anchors, device=device)
         positions = self.caches.positions
+        sampling = RowSampling([s.config.sampling for s in states], [s.seed for s in states], positions + 1)
+        anchors = torch.tensor(self.anchors, device=device)
         proposes = self.drafter is not None
         caps = torch.tensor([min(self.block_size, s.remaining - 1) if proposes else 0 for s in states], device=device)
 
@@ -189,15 +222,20 @@ class DecodingEngine:
         block = anchors[:, None]
         if width:
             block = torch.cat([block, draft.tokens[:, :width]], dim=1).masked_fill(~new_valid, PAD)
+        # padding slots sit at the row's anchor position: never past its budget (a learned position
+        # table's end) nor past the batch's real positions (which dynamic RoPE scaling reads)
+        slot_positions = torch.where(new_valid, positions[:, None] + offsets, positions[:, None])
         out = self.target.forward(block, self.caches.target, layer_ids=self.layer_ids,
                                   attention_mask=self.caches.attention_mask(new_valid).long(),
-                                  position_ids=positions[:, None] + offsets)
+                                  position_ids=slot_positions)
         drafts = block[:, 1:]
         accepted, following = self._accept(drafts, draft, out.logits, lengths, sampling)
+        used = offsets <= accepted[:, None]  # the logits each row's committed tokens came from
+        broken = (~torch.isfinite(out.logits).all(dim=-1) & used).any(dim=1).tolist()
         verified = time.perf_counter()
 
         if isinstance(self.drafter, Drafter):
-            self.caches.context.stage(out.features, positions[:, None] + offsets)  # projected when next drafted
+            self.caches.context.stage(out.features, slot_positions)  # projected when next drafted
         self.caches.settle(offsets < 1 + accepted[:, None])
         settled = time.perf_counter()
         self.policy.observe(tried, len(states), int(accepted.sum()) + len(states), settled - start)
@@ -206,13 +244,19 @@ class DecodingEngine:
         for r, (request_id, state) in enumerate(zip(self.ids, states)):
             n = int(accepted[r])
             committed = drafts[r, :n].tolist() + [int(following[r])]
-            state.stats.record_round(int(lengths[r]), n)
             state.stats.draft_s += (drafted - start) + (settled - verified)
             state.stats.verify_s += verified - drafted
-            tokens, text = state.commit(committed)
-            self.anchors[r] = committed[-1]
-            state.stats.total_s = time.perf_counter() - self.started[request_id]
-            events.append(Event(request_id, tokens, text, state.result if state.finished else None))
+            if broken[r]:
+                state.fail(NOT_FINITE)
+                tokens, text = [], ""
+            else:
+                state.stats.record_round(int(lengths[r]), n)
+                top = state.config.logprobs
+                tokens, text = state.commit(committed, token_logprobs(out.logits[r], committed, top)
+                                            if top is not None else None)
+                self.anchors[r] = committed[-1]
+            state.stats.total_s = time.perf_counter() - state.started
+            events.append(event(request_id, state, tokens, text))
             if state.finished:
                 done.append(request_id)
         self._retire(done)
@@ -226,7 +270,6 @@ class DecodingEngine:
         keep = [r for r, i in enumerate(self.ids) if i not in request_ids]
         for request_id in request_ids:
             del self.states[request_id]
-            self.started.pop(request_id, None)
         self.ids = [self.ids[r] for r in keep]
         self.anchors = [self.anchors[r] for r in keep]
         if keep:

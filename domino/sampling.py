@@ -1,13 +1,29 @@
-"""Turning logits into the distribution a token is drawn from. Target and drafter go through the same
-function, so temperature, top-k and top-p shape both alike (required for lossless sampling)."""
+"""Turning logits into the distribution a token is drawn from, and drawing it. Target and drafter go
+through the same functions, so temperature, top-k and top-p shape both alike.
+
+Random numbers are counter-based: each uniform a request draws is a pure function of its seed, the
+position where the round starts, the offset in the round and what it is for (`uniform`), and a token
+is drawn by inverting its distribution's CDF at one of them. So no process-wide generator is touched;
+every round draws fresh numbers (no two rounds of a request start at one position), which
+speculative sampling's exactness needs; and a request's tokens depend on its own seed and history
+alone, not on which requests share its batch, wherever its verify lengths do not either (plain, full
+and threshold verification; the confidence scheduler weighs the whole batch). Speculative sampling
+commits the drafter's accepted proposals, so plain and speculative decoding give one seed different
+tokens, from the same distribution.
+"""
 
 from __future__ import annotations
 
+import math
+import secrets
 from dataclasses import dataclass
 
 import torch
 
 from domino.errors import DominoError
+
+UINT64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 
 
 @dataclass(frozen=True)
@@ -17,8 +33,8 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise DominoError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise DominoError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise DominoError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -33,35 +49,75 @@ GREEDY = SamplingParams()
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The sampling distribution over the last dimension after temperature, top-k and top-p."""
-    logits = logits.float() / params.temperature
+    """The sampling distribution over the last dimension after temperature, top-k and top-p. Every
+    valid parameter leaves mass: the maximum is subtracted before dividing and the temperature is kept
+    above float32's smallest normal number, so the most likely token survives any temperature; top-k
+    keeps k >= 1 tokens and top-p the first one."""
+    logits = logits.float()
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1)
     if params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_probs, order = torch.sort(logp.exp(), dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        cut = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
+        logp = torch.log_softmax(logp.masked_fill(cut, float("-inf")), dim=-1)
+    return logp.exp()
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of `probs` (..., vocab)."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+def _splitmix(x: int) -> int:
+    x = (x + GOLDEN) & UINT64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & UINT64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & UINT64
+    return x ^ (x >> 31)
+
+
+def fresh_seed() -> int:
+    """A seed for a request that gave none (from the OS, so no generator anyone seeds is touched)."""
+    return secrets.randbits(63)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request asking for several (choice 0 keeps the request's)."""
+    return seed if index == 0 else _splitmix(_splitmix(seed & UINT64) ^ index) >> 1
+
+
+DRAFT, ACCEPT, TARGET = 0, 1, 2  # what a round's random number is for
+
+
+def uniform(seed: int, start: int, offset: int, purpose: int) -> float:
+    """A uniform in (0, 1) for `purpose` at `offset` in the round starting at position `start` of the
+    request with `seed`: a pure function of the four (splitmix64 over each in turn, 53 bits)."""
+    x = _splitmix(seed & UINT64)
+    for value in (start, offset, purpose):
+        x = _splitmix(x ^ value)
+    return ((x >> 11) + 0.5) * 2.0 ** -53
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens (n,) from distributions probs (n, V) (not necessarily normalised), inverting each CDF at
+    u (n,) in (0, 1). A token of probability 0 is never drawn."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 class RowSampling:
-    """Sampling for a batch of requests: row r uses its own parameters and its own random generator,
-    so a request's samples do not depend on which other requests share its batch."""
+    """Sampling for a batch of rows in one round: row r has its own parameters and seed (None: a fresh
+    one), and the round's first new token of row r sits at position start[r]. The k-th call of
+    `choose` drafts offset k of the round; `uniforms` are the numbers verification draws with."""
 
-    def __init__(self, params: list[SamplingParams], generators: list[torch.Generator | None]):
-        self.params, self.generators = params, generators
+    def __init__(self, params: list[SamplingParams], seeds: list[int | None], start: torch.Tensor | None = None):
+        self.params = params
+        self.seeds = [fresh_seed() if seed is None and not p.greedy else seed for p, seed in zip(params, seeds)]
         self.greedy = torch.tensor([p.greedy for p in params])
+        self.start = start.tolist() if start is not None else [0] * len(params)
+        self.calls = 0
 
     @property
     def all_greedy(self) -> bool:
@@ -69,20 +125,40 @@ class RowSampling:
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """Per-row sampling distributions of logits (n, ..., V); rows that decode greedily get zeros."""
+        groups = set(self.params)
+        if len(groups) == 1 and not self.params[0].greedy:
+            return probabilities(logits, self.params[0])
         probs = torch.zeros_like(logits, dtype=torch.float32)
-        for params in set(self.params):
+        for params in groups:
             if not params.greedy:
                 rows = torch.tensor([p == params for p in self.params])
                 probs[rows] = probabilities(logits[rows], params)
         return probs
 
+    def uniforms(self, purpose: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(n, count): each row's uniforms for `purpose` at offsets 0..count-1 of its round (0.5 for
+        greedy rows, which draw nothing)."""
+        return torch.tensor([[uniform(seed, start, k, purpose) if seed is not None else 0.5 for k in range(count)]
+                             for seed, start in zip(self.seeds, self.start)], dtype=torch.float64, device=device)
+
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token per row of logits (n, V): the argmax for greedy rows, else a draw from the row's
-        distribution. Returns the tokens and the distributions they were drawn from (None if all greedy)."""
+        """The drafter's proposal per row of logits (n, V) at the round's next offset: the argmax for
+        greedy rows, else a draw. Returns the tokens and the distributions they were drawn from (None
+        if all greedy)."""
+        offset = self.calls
+        self.calls += 1
+        return self._draw(logits, DRAFT, offset)
+
+    def target_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's own token per row of logits (n, V) at the round's first offset (plain decoding)."""
+        return self._draw(logits, TARGET, 0)[0]
+
+    def _draw(self, logits: torch.Tensor, purpose: int, offset: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens = logits.argmax(dim=-1)
         if self.all_greedy:
             return tokens, None
         probs = self.probabilities(logits)
-        for r in torch.nonzero(~self.greedy).flatten().tolist():
-            tokens[r] = sample(probs[r], self.generators[r])
+        sampled = ~self.greedy.to(logits.device)
+        u = self.uniforms(purpose, offset + 1, logits.device)[:, offset]
+        tokens[sampled] = draw(probs[sampled], u[sampled])
         return tokens, probs

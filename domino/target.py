@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from domino.errors import DominoError
@@ -207,6 +208,22 @@ class Target:
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def check_batchable(self) -> None:
+        """Refuse targets the batched engine would decode wrongly: its caches keep every slot of every
+        layer (sliding-window, chunked, linear-attention and shared-KV layers drop or never hold
+        them), and a row's positions must not change another row's rotary scaling (dynamic NTK)."""
+        text_config = self.config.get_text_config(decoder=True)
+        kinds = get_layer_types_and_kwargs(text_config)[0]
+        for i, kind in enumerate(kinds):
+            if kind != "full_attention":
+                raise DominoError(f"target '{self.name}' layer {i} is '{kind}': only targets with full attention "
+                                  f"in every layer are supported (its cache must keep every slot)")
+        rope = getattr(text_config, "rope_parameters", None) or {}
+        for params in ([rope] if "rope_type" in rope else rope.values()):
+            if isinstance(params, dict) and params.get("rope_type") == "dynamic":
+                raise DominoError(f"target '{self.name}' uses dynamic NTK RoPE scaling, which rescales every row of "
+                                  f"a batch by its longest: not supported")
 
     # -- running it ----------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:

@@ -18,13 +18,18 @@ class TextStream:
         self.stopped = False
 
     def push(self, tokens: list[int], final: bool = False) -> str:
-        """Add committed tokens; return the newly released text. `final` releases everything left."""
+        """Add committed tokens; return the newly released text. `final` releases everything left.
+        When a stop string appears, `tokens` keeps only those up to the one that completed it, as
+        decoding one token at a time would have: the token output must not depend on how many
+        tokens a round commits."""
+        before = len(self.tokens)
         self.tokens.extend(tokens)
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for stop in self.stop_strings:
-            at = full.find(stop, max(0, len(self.text) - len(stop)))
-            if at != -1:
-                full, self.stopped, final = full[:at], True, True
+        full = self._decode(len(self.tokens))
+        if self._stop_at(full) != -1:
+            kept = next(k for k in range(before + 1, len(self.tokens) + 1) if self._stop_at(self._decode(k)) != -1)
+            del self.tokens[kept:]
+            full = self._decode(kept)
+            full, self.stopped, final = full[:self._stop_at(full)], True, True
         if not final:
             if full.endswith("\ufffd"):  # a multi-byte character still arriving
                 full = full.rstrip("\ufffd")
@@ -33,3 +38,11 @@ class TextStream:
         delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += delta
         return delta
+
+    def _decode(self, count: int) -> str:
+        return self.tokenizer.decode(self.tokens[:count], skip_special_tokens=True)
+
+    def _stop_at(self, full: str) -> int:
+        """Where the earliest stop string starts in `full` past the released text, or -1."""
+        found = [full.find(stop, max(0, len(self.text) - len(stop))) for stop in self.stop_strings]
+        return min((at for at in found if at != -1), default=-1)

@@ -2,14 +2,16 @@
 
 Both rules work on a batch of rows: row r verifies its first `limits[r]` draft tokens (the rest are
 ignored), and returns how many it accepts plus the token the target commits after them (its own
-choice at the first rejection, or a bonus token when every verified draft passed).
+choice at the first rejection, or a bonus token when every verified draft passed). Speculative
+sampling stays exact whatever the verify policy, as long as whether draft k is verified depends on
+the drafts before k only (scheduler.py's policies read confidences that do).
 """
 
 from __future__ import annotations
 
 import torch
 
-from domino.sampling import sample
+from domino.sampling import draw
 
 
 def _limit_mask(draft_tokens: torch.Tensor, limits: torch.Tensor | None) -> torch.Tensor:
@@ -30,16 +32,16 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
 
 
 def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                       limits: torch.Tensor | None = None,
-                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling: accept draft d_k with probability min(1, p_k(d_k) / q_k(d_k)); at the first
-    rejection sample from norm(max(p_k - q_k, 0)); after all verified drafts pass, sample p_m.
-    draft_probs (b, m, V) are the q the drafts were drawn from; target_probs (b, m + 1, V)."""
+                       accept_u: torch.Tensor, target_u: torch.Tensor,
+                       limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling: accept draft d_k when accept_u[k] q_k(d_k) < p_k(d_k) (probability
+    min(1, p/q)); at the first rejection draw from norm(max(p_k - q_k, 0)); after all verified drafts
+    pass, draw from p_m. The draw at offset k inverts its CDF at target_u[k]. draft_probs (b, m, V) are
+    the q the drafts were drawn from; target_probs (b, m + 1, V); accept_u (b, m); target_u (b, m + 1)."""
     b, m = draft_tokens.shape
     p = target_probs[:, :m].gather(-1, draft_tokens[..., None])[..., 0]
     q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
-    u = torch.rand(b, m, generator=generator, device=draft_tokens.device)
-    passed = (u * q < p) & _limit_mask(draft_tokens, limits)
+    passed = (accept_u.to(q) * q < p) & _limit_mask(draft_tokens, limits)
     accepted = passed.long().cumprod(dim=1).sum(dim=1)
 
     rows = torch.arange(b, device=draft_tokens.device)
@@ -52,5 +54,5 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
         # A rejection implies p < q at the draft, hence p > q elsewhere: the residual has mass
         # (up to rounding, when p and q agree everywhere; then p itself is the right law).
         use_residual = rejected[:, None] & (mass > 0)
-        p_next = torch.where(use_residual, residual / mass.clamp(min=1e-30), p_next)
-    return accepted, sample(p_next, generator)
+        p_next = torch.where(use_residual, residual, p_next)
+    return accepted, draw(p_next, target_u[rows, accepted])

@@ -11,18 +11,24 @@ disconnects has its generation cancelled.
     serve deploy cluster/serve.yaml                                  # a running cluster, autoscaling
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events), GET /v1/models, GET /health.
+events, `n` choices as rows of the batch, and logprobs), GET /v1/models, GET /health. A request
+whose row fails on the engine gets a 500 with the reason; the requests beside it go on.
 """
 
+import asyncio
+import dataclasses
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
@@ -32,13 +38,16 @@ from starlette.exceptions import HTTPException
 from domino.config import MAX_BLOCK_SIZE
 from domino.drafter import Drafter
 from domino.engine import DecodingEngine
+from domino.engine import Event
 from domino.errors import DominoError
+from domino.requests import GenerationResult
+from domino.sampling import choice_seed
 from domino.scheduler import make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.metrics import ReplicaMetrics
-from pipelines.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorDetail, ErrorResponse,
-                                        GenerationRequest, ModelCard, ModelList, ResponseIds, chunk,
-                                        complete_response, sse)
+from pipelines.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                        CompletionRequest, CompletionResponse, ErrorDetail, ErrorResponse, Formatter,
+                                        GenerationRequest, ModelCard, ModelList, ResponseIds, sse)
 from pipelines.serving.runner import EngineRunner, RequestStream
 
 logger = logging.getLogger("ray.serve")
@@ -79,11 +88,83 @@ class ApiError(Exception):
         self.status, self.detail = status, ErrorDetail(message=message, type=type, param=param, code=code)
 
 
+class GenerationFailed(Exception):
+    """A request's row failed on the engine (the others in its batch went on)."""
+
+
+def checked(result: GenerationResult) -> GenerationResult:
+    if result.error is not None:
+        raise GenerationFailed(result.error)
+    return result
+
+
+def server_error(error: Exception) -> ErrorDetail:
+    message = str(error) if isinstance(error, GenerationFailed) else f"internal error ({type(error).__name__})"
+    return ErrorDetail(message=message, type="server_error")
+
+
 def error_response(status: int, detail: ErrorDetail) -> JSONResponse:
     return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
 
 
 api = FastAPI(title="Domino speculative decoding", description="OpenAI-compatible completions and chat completions")
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "invalid request: the message and `param` name what to fix"},
+    404: {"model": ErrorResponse, "description": "the model is not served here"},
+    500: {"model": ErrorResponse, "description": "the generation failed on the replica"},
+}
+
+
+# With stream: true, each server-sent event's `data` is one JSON object (or the final [DONE]).
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+SSE_CONTENT = {"text/event-stream": {"schema": SSE_EVENT}}
+
+
+@dataclass(frozen=True)
+class ServedLimits:
+    """What the replica's model adds to the request schema: its name, vocabulary and context."""
+
+    model: str
+    vocab_size: int
+    context: int
+
+    def apply(self, schemas: dict[str, Any]) -> None:
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            fields = schemas[name]["properties"]
+            fields["model"]["anyOf"][0]["enum"] = [self.model]
+            for field in ("max_tokens", "max_completion_tokens"):
+                if field in fields:
+                    fields[field]["anyOf"][0]["maximum"] = self.context - 1
+        token_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
+        token_ids["items"]["maximum"] = self.vocab_size - 1
+
+
+def openapi_schema() -> dict[str, Any]:
+    """FastAPI's schema, less the 422 responses it adds to every route (validation errors are 400s
+    here), with the served model's limits (set by the replica)."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version="1.0.0", description=api.description, routes=api.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        limits: ServedLimits | None = getattr(api.state, "limits", None)
+        if limits is not None:
+            limits.apply(schema["components"]["schemas"])
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = openapi_schema
+
+
+def publish_limits(limits: ServedLimits) -> None:
+    """Put the served model's limits into the schema. A module function, so that the replica (whose
+    class Serve ships by value, with copies of the globals it names) reaches the module's own app."""
+    api.state.limits = limits
+    api.openapi_schema = None
 
 
 @api.exception_handler(ApiError)
@@ -96,15 +177,25 @@ async def on_domino_error(request: Request, error: DominoError) -> JSONResponse:
     return error_response(400, ErrorDetail(message=str(error), type="invalid_request_error"))
 
 
+UNION_TAG = re.compile(r"^(str|int|float|bool|.*[\[\-].*)$")  # pydantic names a union's members in `loc`
+
+
+def most_relevant(errors: list[dict]) -> dict:
+    """The error to report: for a union field, the member the value was meant for (a value of the
+    wrong type for the other members fails them with *_type errors), and the deepest of those."""
+    return max(errors, key=lambda e: (not e["type"].endswith("_type"), len(e["loc"])))
+
+
 @api.exception_handler(RequestValidationError)
 async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    first = error.errors()[0]
+    first = most_relevant(error.errors())
     if first["type"] == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
         return error_response(400, ErrorDetail(message=message, type="invalid_request_error", code="json_invalid"))
-    where = [str(part) for part in first["loc"] if part != "body"]
+    where = [str(part) for part in first["loc"] if part != "body" and not UNION_TAG.match(str(part))]
     param = ".".join(where) or None
-    message = f"{param}: {first['msg']}" if param else first["msg"]
+    reason = "not supported by this server" if first["type"] == "extra_forbidden" else first["msg"]
+    message = f"{param}: {reason}" if param else reason
     return error_response(400, ErrorDetail(message=message, type="invalid_request_error", param=param,
                                            code=first["type"]))
 
@@ -113,6 +204,11 @@ async def on_validation_error(request: Request, error: RequestValidationError) -
 async def on_http_error(request: Request, error: HTTPException) -> JSONResponse:
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
     return error_response(error.status_code, ErrorDetail(message=str(error.detail), type=kind))
+
+
+@api.exception_handler(GenerationFailed)
+async def on_generation_failed(request: Request, error: Exception) -> JSONResponse:
+    return error_response(500, server_error(error))
 
 
 @api.exception_handler(Exception)
@@ -125,23 +221,55 @@ async def on_server_error(request: Request, error: Exception) -> JSONResponse:
 # -- streaming -------------------------------------------------------------------------------------
 
 
-async def event_stream(chat: bool, ids: ResponseIds, stream: RequestStream) -> AsyncIterator[str]:
-    """Server-sent events for one request; closing it (the client left) cancels the generation."""
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Event]]:
+    """The events of a request's choices as they come, each with its choice's index."""
+    queue: asyncio.Queue[tuple[int, Event] | Exception | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+            await queue.put(None)
+        except Exception as error:
+            await queue.put(error)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        if chat:
-            yield sse(chunk(chat, ids, "", role=True))
-        async for event in stream:
-            if event.text:
-                yield sse(chunk(chat, ids, event.text))
-            if event.finished:
-                yield sse(chunk(chat, ids, None, event.result))
+        for _ in range(len(streams)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def event_stream(formatter: Formatter, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events for one request; closing it (the client left) cancels the generation."""
+    results: list[GenerationResult | None] = [None] * len(streams)
+    offsets = [0] * len(streams)  # text sent so far per choice (completions' text_offset)
+    try:
+        if formatter.chat:
+            for index in range(len(streams)):
+                yield sse(formatter.chunk(index, "", role=True))
+        async for index, event in merged(streams):
+            result = checked(event.result) if event.finished else None
+            if event.text or event.logprobs:
+                yield sse(formatter.chunk(index, event.text, event.logprobs, offsets[index]))
+                offsets[index] += len(event.text)
+            if result is not None:
+                results[index] = result
+                yield sse(formatter.chunk(index, None, result=result))
+        if include_usage:
+            yield sse(formatter.usage_chunk(results))
         yield "data: [DONE]\n\n"
     except Exception as error:  # the engine failed mid-stream: the status line is already sent
         logger.exception("streaming request failed")
-        yield sse(ErrorResponse(error=ErrorDetail(message=f"internal error ({type(error).__name__})",
-                                                  type="server_error")))
+        yield sse(ErrorResponse(error=server_error(error)))
     finally:
-        stream.cancel()
+        for stream in streams:
+            stream.cancel()
 
 
 # -- the replica -----------------------------------------------------------------------------------
@@ -171,8 +299,9 @@ class OpenAIServer:
         engine = load_engine(args)
         self.target = engine.target
         self.model = args.served_name
+        publish_limits(ServedLimits(self.model, self.target.vocab_size, self.target.max_length))
         self.created = int(time.time())
-        self.runner = EngineRunner(engine, ReplicaMetrics())
+        self.runner = EngineRunner(engine, ReplicaMetrics(self.model))
 
     def check_health(self) -> None:
         """Serve restarts a replica whose engine thread has died."""
@@ -188,7 +317,10 @@ class OpenAIServer:
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model, created=self.created)])
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", response_model=CompletionResponse, responses={
+        **ERRORS, 200: {"content": SSE_CONTENT,
+                        "description": "the completion, or with stream: true its chunks as server-sent events "
+                                       "(CompletionResponse objects, then [DONE])"}})
     async def completions(self, request: CompletionRequest):
         if isinstance(request.prompt, str):
             prompt_ids = self.target.encode_prompt(request.prompt, chat=False)
@@ -196,7 +328,10 @@ class OpenAIServer:
             prompt_ids = self.checked_token_ids(request.prompt)
         return await self.generate(request, prompt_ids, chat=False)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
+        **ERRORS, 200: {"content": SSE_CONTENT,
+                        "description": "the chat completion, or with stream: true its chunks as server-sent "
+                                       "events (ChatCompletionChunk objects, then [DONE])"}})
     async def chat_completions(self, request: ChatCompletionRequest):
         prompt_ids = self.target.encode_prompt([message.as_template_input() for message in request.messages])
         return await self.generate(request, prompt_ids, chat=True)
@@ -212,16 +347,33 @@ class OpenAIServer:
             raise ApiError(404, f"the model '{request.model}' is not served here; this server serves '{self.model}'",
                            type="not_found_error", param="model", code="model_not_found")
         config = request.generation_config(len(prompt_ids), self.target.max_length)
-        stream = await self.runner.submit(prompt_ids, config)
+        streams = await self.submit_choices(prompt_ids, config, request.n)
         ids = ResponseIds(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
                           model=self.model)
+        formatter = Formatter(chat, ids, self.target.tokenizer)
         if request.stream:
-            return StreamingResponse(event_stream(chat, ids, stream), media_type="text/event-stream")
+            return StreamingResponse(event_stream(formatter, streams, request.include_usage),
+                                     media_type="text/event-stream")
         try:
-            result = await stream.result()
+            results = await asyncio.gather(*(stream.result() for stream in streams))
         finally:
-            stream.cancel()  # the client left before the end
-        return complete_response(chat, ids, result)
+            for stream in streams:
+                stream.cancel()  # the client left before the end, or a choice failed
+        return formatter.complete([checked(result) for result in results])
+
+    async def submit_choices(self, prompt_ids: list[int], config, n: int) -> list[RequestStream]:
+        """One engine row per choice, each with its own seed; a refusal cancels the choices submitted."""
+        configs = [config if config.seed is None else dataclasses.replace(config, seed=choice_seed(config.seed, i))
+                   for i in range(n)]
+        submitted = await asyncio.gather(*(self.runner.submit(prompt_ids, c) for c in configs),
+                                         return_exceptions=True)
+        refusals = [s for s in submitted if isinstance(s, BaseException)]
+        if refusals:
+            for stream in submitted:
+                if isinstance(stream, RequestStream):
+                    stream.cancel()
+            raise refusals[0]
+        return submitted
 
 
 def application(args: ServeArgs, **deployment_options) -> Application:

@@ -37,9 +37,13 @@ class NoisyOracle(DecodingEngine):
     """Proposes the target's greedy continuation with every token corrupted with probability 0.3,
     so that rounds accept every possible number of drafts."""
 
+    corruption: torch.Generator | None = None
+
     def _propose(self, states, anchors, positions, sampling, caps):
         draft = super()._propose(states, anchors, positions, sampling, caps)
-        corrupt = torch.rand(draft.tokens.shape, generator=states[0].generator) < 0.3
+        if self.corruption is None:  # seeded by the first request's seed: a pattern per test case
+            self.corruption = torch.Generator().manual_seed(states[0].seed)
+        corrupt = torch.rand(draft.tokens.shape, generator=self.corruption) < 0.3
         draft.tokens = torch.where(corrupt, (draft.tokens + 1) % self.target.vocab_size, draft.tokens)
         return draft
 
@@ -115,10 +119,13 @@ def test_stop_strings_end_the_text_before_them(embedded_target):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be positive"),
-    (lambda: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+    (lambda: SamplingParams(temperature=-0.5), "temperature must be a finite number >= 0"),
     (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (lambda: SamplingParams(top_k=-1), "top_k must be >= 0"),
+    (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
+    (lambda: GenerationConfig(seed=1 << 64), "seed must fit in 64 bits"),
+    (lambda: GenerationConfig(logprobs=-1), "logprobs .* must be >= 0"),
 ])
 def test_bad_parameters_are_refused(make, message):
     with pytest.raises(DominoError, match=message):
@@ -129,6 +136,8 @@ def test_bad_prompts_are_refused(target):
     decoder = SpeculativeDecoder(target, None)
     with pytest.raises(DominoError, match="prompt is empty"):
         decoder.start([], GenerationConfig())
+    with pytest.raises(DominoError, match=r"prompt token ids must lie in 0\.\.95"):
+        decoder.start([3, 96], GenerationConfig())
     with pytest.raises(DominoError, match="prompt has 1024 tokens but the target's context holds 1024"):
         decoder.start([1] * 1024, GenerationConfig())
     with pytest.raises(DominoError, match="lower max_new_tokens to 24"):
@@ -138,3 +147,18 @@ def test_bad_prompts_are_refused(target):
 def test_drafter_for_another_target_is_refused(target):
     with pytest.raises(DominoError, match="trained for a target with hidden size"):
         SpeculativeDecoder(target, tiny_drafter(tiny_target(hidden_size=32)))
+
+
+def test_stop_strings_give_the_same_tokens_speculative_or_plain(embedded_target):
+    """A round commits several tokens at once; those after the one that completed the stop string are
+    dropped, so tokens and their count are what plain decoding (one token a round) gives."""
+    prompt = embedded_target.encode_prompt("List the days of the week, one per line.")
+    config = GenerationConfig(max_new_tokens=40, stop_strings=["day\n", "Thu"])
+    plain = SpeculativeDecoder(embedded_target, None).generate(prompt, config)
+    oracle = SpeculativeDecoder(embedded_target, "oracle", block_size=8).generate(prompt, config)
+    assert oracle.finish_reason == plain.finish_reason == "stop"
+    assert oracle.tokens == plain.tokens and oracle.text == plain.text
+    assert max(oracle.stats.accept_lengths) > 1  # rounds did commit several tokens
+    decode = embedded_target.tokenizer.decode
+    assert any(s in decode(oracle.tokens) for s in config.stop_strings)
+    assert not any(s in decode(oracle.tokens[:-1]) for s in config.stop_strings)

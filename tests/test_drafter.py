@@ -14,7 +14,7 @@ def draft_once(drafter, target, ids, params=GREEDY, seed=0):
     features = target.forward(ids[:, :-1], layer_ids=drafter.config.target_layer_ids).features
     cache = ContextCache()
     drafter.extend_context(cache, features, torch.arange(ids.shape[1] - 1)[None])
-    return drafter.draft(cache, ids[:, -1], RowSampling([params], [torch.Generator().manual_seed(seed)]))
+    return drafter.draft(cache, ids[:, -1], RowSampling([params], [seed]))
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -9,6 +9,7 @@ import torch
 from domino.engine import DecodingEngine
 from domino.errors import DominoError
 from domino.requests import GenerationConfig
+from domino.sampling import SamplingParams
 from domino.scheduler import ConfidenceScheduler, SPSProfile, ThresholdVerify
 from helpers import tiny_drafter, tiny_target
 from test_decoding import NoisyOracle, hf_greedy, random_prompts
@@ -246,3 +247,88 @@ def test_gated_engine_stays_exact(target):
     assert most_staged > 3  # features waited several rounds
     for i, prompt in enumerate(prompts):
         assert got[f"r{i}"] == hf_greedy(target, prompt, budgets[i]), i
+
+
+# -- edges: the context limit, broken rows, log-probabilities ------------------------------------
+
+
+def test_padded_slots_stay_inside_a_learned_position_table():
+    """A row one token from its budget verifies nothing while its neighbour verifies a full block: its
+    padding slots must not index past GPT-2's position table (64 positions here)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from domino.target import Target
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=None,
+                        eos_token_id=None)
+    gpt2 = Target(GPT2LMHeadModel(config).double().eval(), tokenizer=None, name="tiny-gpt2")
+    prompts = [list(range(1, 40)), [5, 6, 7]]
+    engine = NoisyOracle(gpt2, "oracle", block_size=6)
+    requests = {"edge": (prompts[0], GenerationConfig(max_new_tokens=25, stop_token_ids=[])),
+                "short": (prompts[1], GenerationConfig(max_new_tokens=40, stop_token_ids=[]))}
+    got = run_batch(engine, requests)
+    for rid, (prompt, config) in requests.items():
+        assert got[rid] == hf_greedy(gpt2, prompt, config.max_new_tokens), rid
+
+
+def test_a_row_with_broken_logits_fails_alone(target):
+    """A target that overflows on one token (its embedding is NaN) fails the request that feeds it, in
+    the round after it was committed; the requests beside it give the same tokens as alone."""
+    poisoned = tiny_target(init_std=0.1)
+    poisoned.model.double()
+    prompts = list(random_prompts(8, seed=21))
+    broken_prompt = next(p for p in prompts if hf_greedy(poisoned, p, 1)[0] not in p)
+    bad_token = hf_greedy(poisoned, broken_prompt, 1)[0]
+    healthy = [p for p in prompts if bad_token not in p + hf_greedy(poisoned, p, 20)][:3]
+    alone = {f"h{i}": hf_greedy(poisoned, p, 20) for i, p in enumerate(healthy)}
+    with torch.no_grad():
+        poisoned.embed_tokens.weight[bad_token] = float("nan")
+    engine = DecodingEngine(poisoned, tiny_drafter(poisoned, head="domino", block_size=4).double())
+    requests = {f"h{i}": (p, GenerationConfig(max_new_tokens=20, stop_token_ids=[])) for i, p in enumerate(healthy)}
+    requests["broken"] = (broken_prompt, GenerationConfig(max_new_tokens=20, stop_token_ids=[]))
+    broken = None
+    for rid, (prompt, config) in requests.items():
+        state = engine.add(rid, prompt, config)
+        broken = state if rid == "broken" else broken
+    got = {rid: [] for rid in requests}
+    while engine.has_work:
+        for event in engine.step():
+            got[event.request_id] += event.tokens
+    assert len(healthy) == 3 and {rid: got[rid] for rid in alone} == alone
+    assert broken.result.finish_reason == "error" and "not finite" in broken.result.error
+    assert got["broken"] == [bad_token]
+
+
+def test_logprobs_are_the_targets_own_at_each_committed_token(target):
+    engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=4).double())
+    prompt = next(random_prompts(1, seed=4))
+    config = GenerationConfig(max_new_tokens=9, stop_token_ids=[], logprobs=3,
+                              sampling=SamplingParams(temperature=1.0), seed=5)
+    result = run_batch_result(engine, prompt, config)
+    ids = torch.tensor([prompt + result.tokens])
+    logp = torch.log_softmax(target.model(ids).logits[0, len(prompt) - 1: -1], dim=-1)
+    assert [entry.token for entry in result.logprobs] == result.tokens
+    for j, entry in enumerate(result.logprobs):
+        assert entry.logprob == pytest.approx(float(logp[j, entry.token]), abs=1e-5)
+        best = logp[j].topk(3)
+        assert [t for t, _ in entry.top] == best.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(best.values.tolist(), abs=1e-5)
+
+
+def run_batch_result(engine, prompt, config):
+    state = engine.add("only", prompt, config)
+    while engine.has_work:
+        engine.step()
+    return state.result
+
+
+def test_unsupported_attention_kinds_are_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from domino.target import Target
+
+    config = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
+    with pytest.raises(DominoError, match="layer 0 is 'sliding_attention'"):
+        DecodingEngine(Target(MistralForCausalLM(config), tokenizer=None, name="mistral"), None)

@@ -44,7 +44,7 @@ def test_packed_training_matches_inference_drafting(head, convention):
         features = target.forward(ids[:, :anchor], layer_ids=drafter.config.target_layer_ids).features
         cache = ContextCache()
         drafter.extend_context(cache, features, torch.arange(anchor)[None])
-        draft = drafter.draft(cache, ids[:, anchor], RowSampling([SamplingParams(1.0)], [torch.Generator().manual_seed(i)]))
+        draft = drafter.draft(cache, ids[:, anchor], RowSampling([SamplingParams(1.0)], [i]))
         # write the drafted tokens into the sequence, so teacher forcing reads what was drafted
         forced = ids.clone()
         forced[0, anchor + 1: anchor + 1 + drafts] = draft.tokens[0]

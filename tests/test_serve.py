@@ -6,8 +6,10 @@ argmax near-ties between a block forward and a one-token forward), with a random
 """
 
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -73,7 +75,9 @@ def server(ray_cluster, models) -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ServeArgs(target=str(models / "target"), drafter=str(models / "drafter"), dtype="float64",
                      model_name="tiny")
-    serve.run(application(args, autoscaling_config=AUTOSCALING), name=APP, route_prefix="/")
+    # health checks every second: a killed replica is replaced within seconds (the recovery test)
+    serve.run(application(args, autoscaling_config=AUTOSCALING, health_check_period_s=1.0), name=APP,
+              route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -124,7 +128,9 @@ def test_greedy_completion_is_the_targets_own_output(server, reference, prompt, 
     expected = hf_greedy(reference, reference.encode_prompt(prompt, chat=False), max_tokens)
     assert body["choices"][0]["text"] == reference.tokenizer.decode(expected, skip_special_tokens=True)
     assert body["usage"]["completion_tokens"] == len(expected)
-    assert body["domino"]["rounds"] >= 1 and body["domino"]["tau"] >= 1.0
+    assert body["metrics"]["rounds"] >= 1 and body["metrics"]["tau"] >= 1.0
+    spec = body["metrics"]["speculative_decoding"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / spec["num_drafts"])
 
 
 def test_greedy_chat_is_the_targets_own_output_on_the_chat_template(server, reference):
@@ -148,15 +154,16 @@ def test_greedy_chat_is_the_targets_own_output_on_the_chat_template(server, refe
 ])
 def test_streamed_chunks_concatenate_to_the_full_text(server, path, body):
     full = post(server, path, **body).json()
-    chunks = events(server, path, **body)
+    chunks = events(server, path, **body, stream_options={"include_usage": True})
     text = full["choices"][0]["text" if "text" in full["choices"][0] else "message"]
     text = text["content"] if isinstance(text, dict) else text
-    assert streamed_text(chunks) == text
-    last = chunks[-1]
-    assert last["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
-    assert last["usage"] == full["usage"]
-    assert last["domino"]["tau"] == full["domino"]["tau"]
+    assert streamed_text(chunks[:-1]) == text
+    finish, last = chunks[-2], chunks[-1]
+    assert finish["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    assert finish["metrics"]["tau"] == full["metrics"]["tau"]
+    assert last["choices"] == [] and last["usage"] == full["usage"]
     assert all("usage" not in chunk for chunk in chunks[:-1])
+    assert "usage" not in events(server, path, **body)[-1]  # usage only when asked for
 
 
 def test_stop_strings_end_the_text_before_them(server):
@@ -196,10 +203,21 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (COMPLETIONS, dict(prompt="Hello", temperature=2.5), 400, "temperature", "less than or equal to 2"),
     (COMPLETIONS, dict(prompt="Hello", temperature=-1), 400, "temperature", "greater than or equal to 0"),
     (COMPLETIONS, dict(prompt="Hello", top_p=0), 400, "top_p", "greater than 0"),
-    (COMPLETIONS, dict(prompt="Hello", n=2), 400, "n", "less than or equal to 1"),
+    (COMPLETIONS, dict(prompt="Hello", n=17), 400, "n", "less than or equal to 16"),
+    (CHAT, dict(messages=HELLO, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+     "tools: not supported by this server"),
+    (CHAT, dict(messages=HELLO, frequency_penalty=0.5), 400, "frequency_penalty", "not supported"),
+    (COMPLETIONS, dict(prompt="Hello", echo=True), 400, "echo", "not supported"),
+    (CHAT, dict(messages=[{"role": "user", "content": "Hi", "name": "bob"}]), 400, "messages.0.name",
+     "not supported"),
+    (CHAT, dict(messages=HELLO, top_logprobs=2), 400, None, "top_logprobs needs logprobs: true"),
+    (CHAT, dict(messages=HELLO, logprobs=True, top_logprobs=21), 400, "top_logprobs", "less than or equal to 20"),
+    (COMPLETIONS, dict(prompt="Hello", logprobs=6), 400, "logprobs", "less than or equal to 5"),
+    (COMPLETIONS, dict(prompt="Hello", seed=1 << 64), 400, "seed", "less than or equal to"),
+    (COMPLETIONS, dict(prompt=[3, -1]), 400, "prompt.1", "greater than or equal to 0"),
     (COMPLETIONS, dict(prompt="word " * CONTEXT), 400, None, "but the target's context holds 2048"),
     (CHAT, dict(messages=[{"role": "user", "content": "word " * CONTEXT}]), 400, None, "context holds 2048"),
-    (COMPLETIONS, dict(prompt=""), 400, None, "the prompt is empty"),
+    (COMPLETIONS, dict(prompt=""), 400, "prompt", "at least 1 character"),
     (COMPLETIONS, dict(prompt=[5, 49152]), 400, "prompt", "token ids must lie in 0..49151"),
     (COMPLETIONS, dict(max_tokens=5), 400, "prompt", "Field required"),
 ])
@@ -280,7 +298,11 @@ def test_metrics_reach_prometheus(server, ray_cluster):
     port = ray_cluster.nodes()[0]["MetricsExportPort"]
     wanted = ["ray_domino_generated_tokens_total", "ray_domino_accept_length_bucket", "ray_domino_draft_seconds",
               "ray_domino_verify_seconds", "ray_domino_queue_depth", 'finish_reason="cancelled"',
-              'finish_reason="length"']
+              'finish_reason="length"', 'ray_vllm_spec_decode_num_drafts_total{', 'model_name="tiny"',
+              "ray_vllm_spec_decode_num_draft_tokens_total"]
+    if finished["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"]:
+        wanted += ["ray_vllm_spec_decode_num_accepted_tokens_total",
+                   'ray_vllm_spec_decode_num_accepted_tokens_per_pos_total{', 'position="0"']
     text = ""
 
     def exported() -> bool:
@@ -292,6 +314,212 @@ def test_metrics_reach_prometheus(server, ray_cluster):
     tokens = re.search(rf'^ray_domino_generated_tokens_total{{[^}}]*application="{APP}"[^}}]*}} (\S+)$',
                        text, re.MULTILINE)
     assert tokens and float(tokens.group(1)) >= finished["usage"]["completion_tokens"]
+
+
+# -- isolation: one request never costs another its answer ----------------------------------------
+
+
+def test_requests_that_once_failed_the_batch_leave_their_neighbours_alone(server):
+    """A temperature so small that it underflowed to 0 made the sampling distribution NaN and failed
+    every request on the replica. Sent beside healthy requests now, it is answered, and the healthy
+    ones give exactly the tokens they give alone."""
+    healthy = [dict(prompt="Alpha beta gamma", max_tokens=30, temperature=1.0, seed=11),
+               dict(prompt="One two three four", max_tokens=30, temperature=0)]
+    alone = [post(server, COMPLETIONS, **body).json()["choices"][0]["text"] for body in healthy]
+    edges = [dict(prompt="Hello", max_tokens=12, temperature=1e-300),
+             dict(prompt="Hi", max_tokens=12, temperature=5e-324),
+             dict(messages=HELLO, max_tokens=12, temperature=1e-45, top_p=1e-300)]
+    texts, statuses = [None, None], []
+
+    def stream(i: int) -> None:
+        texts[i] = streamed_text(events(server, COMPLETIONS, **healthy[i]))
+
+    def edge(body: dict) -> None:
+        statuses.append(post(server, CHAT if "messages" in body else COMPLETIONS, **body).status_code)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=edge, args=(body,)) for body in edges]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses == [200, 200, 200] and texts == alone
+
+
+# -- the openai SDK --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_sdk_chat_completions_and_streaming(client, reference):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    expected = hf_greedy(reference, reference.encode_prompt(messages), 20)
+    assert reply.choices[0].message.content == reference.tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.usage.completion_tokens == len(expected)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content and chunks[-1].usage == reply.usage
+
+
+def test_sdk_models_and_streamed_completions(client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    whole = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_sdk_completions_stop_seed_and_top_k(client):
+    first = client.completions.create(model="tiny", prompt="Hello world", max_tokens=24, temperature=1.0, seed=5,
+                                      extra_body={"top_k": 40})
+    again = client.completions.create(model="tiny", prompt="Hello world", max_tokens=24, temperature=1.0, seed=5,
+                                      extra_body={"top_k": 40})
+    assert first.choices[0].text == again.choices[0].text
+    text = first.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = client.completions.create(model="tiny", prompt="Hello world", max_tokens=24, temperature=1.0, seed=5,
+                                    stop=[stop], extra_body={"top_k": 40})
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < first.usage.completion_tokens
+
+
+def test_sdk_logprobs_on_chat_and_completions(client, reference):
+    messages = [{"role": "user", "content": "Count to five."}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    prompt_ids = reference.encode_prompt(messages)
+    tokens = hf_greedy(reference, prompt_ids, 10)
+    logp = torch.log_softmax(reference.model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1: -1],
+                             dim=-1)
+    for j, entry in enumerate(content):
+        assert entry.logprob == pytest.approx(float(logp[j, tokens[j]]), abs=1e-4)
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+    completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0.8, seed=2,
+                                           logprobs=2)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == completion.usage.completion_tokens
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and all(v <= 0 for v in logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == completion.choices[0].text
+
+
+def test_sdk_n_choices_are_rows_with_their_own_seeds(client):
+    kwargs = dict(model="tiny", messages=HELLO, max_tokens=12, temperature=1.0, seed=9)
+    single = client.chat.completions.create(**kwargs)
+    several = client.chat.completions.create(**kwargs, n=3)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    assert several.choices[0].message.content == single.choices[0].message.content  # choice 0 keeps the seed
+    assert len({c.message.content for c in several.choices}) > 1
+    assert several.usage.completion_tokens == several.model_extra["metrics"]["new_tokens"]
+    streamed = list(client.chat.completions.create(**kwargs, n=3, stream=True))
+    for i in range(3):
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i)
+        assert text == several.choices[i].message.content
+
+
+def test_sdk_error_classes(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="tools: not supported"):
+        client.chat.completions.create(model="tiny", messages=HELLO, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="Hi", temperature=3)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.chat.completions.create(model="gpt-9", messages=HELLO)
+
+
+# -- the published schema against the live server ---------------------------------------------------
+
+
+MAX_EXAMPLES = int(os.environ.get("DOMINO_FUZZ_EXAMPLES", "25"))  # per operation
+
+
+def bounded(max_tokens) -> int:
+    return min(max_tokens, 4) if type(max_tokens) is int and max_tokens > 0 else 4
+
+
+def test_fuzzed_requests_get_no_server_error_and_conform_to_the_schema(server):
+    """A bounded schemathesis run over every operation of the server's own /openapi.json (MAX_EXAMPLES
+    each, $DOMINO_FUZZ_EXAMPLES for a longer run): no 5xx, every response conforms to the schema
+    (status code, content type, body), and what the schema allows is accepted (it states the
+    validation's limits, the served model's name, vocabulary and context included)."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (content_type_conformance, positive_data_acceptance,
+                                                   response_schema_conformance, status_code_conformance)
+
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+              positive_data_acceptance]
+    published = requests.get(f"{server}/openapi.json", timeout=30).json()["components"]["schemas"]
+    assert published["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]["maximum"] == 49151
+    schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    for operation in operations:
+        @given(case=operation.as_strategy())
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, phases=[Phase.generate], database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case) -> None:
+            if isinstance(case.body, dict):  # bounded generations, so the run takes seconds
+                case.body["max_tokens"] = bounded(case.body.get("max_tokens"))
+                if "max_completion_tokens" in case.body:
+                    case.body["max_completion_tokens"] = bounded(case.body["max_completion_tokens"])
+            case.call_and_validate(base_url=server, checks=checks)
+
+        check()
+
+
+# -- recovery ----------------------------------------------------------------------------------------
+
+
+def replica_pids(ray_cluster) -> list[int]:
+    """The process ids of the deployment's live replicas (asked of each replica actor itself)."""
+    names = [a["name"] for a in ray_cluster.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{APP}#OpenAIServer#")]
+    handles = [ray_cluster.get_actor(name, namespace="serve") for name in names]
+    return ray_cluster.get([handle.__ray_call__.remote(lambda replica: os.getpid()) for handle in handles])
+
+
+def test_a_killed_replica_ends_its_stream_and_the_deployment_recovers(server, ray_cluster):
+    (pid,) = replica_pids(ray_cluster)
+    body = dict(prompt="Tell me everything", max_tokens=CONTEXT - 16, temperature=0, stream=True)
+    received, finished = [], False
+    with requests.post(f"{server}{COMPLETIONS}", json=body, stream=True, timeout=120) as response:
+        lines = response.iter_lines()
+        try:
+            for line in lines:
+                if line:
+                    received.append(line)
+                if len(received) == 3:
+                    os.kill(pid, signal.SIGKILL)
+            finished = True
+        except requests.RequestException:  # the connection broke off
+            pass
+    assert len(received) >= 3 and b"data: [DONE]" not in received
+    tail = [json.loads(line.removeprefix(b"data: ")) for line in received[3:] if line != b"data: [DONE]"]
+    assert not finished or any("error" in event for event in tail), tail[-2:]
+    started = time.monotonic()
+    assert wait_for(lambda: healthy(server), timeout=90, every=1)
+    assert replica_pids(ray_cluster) != [pid]
+    print(f"stream finished={finished}, tail={tail[-1:]}; recovered in {time.monotonic() - started:.1f} s")
+
+
+def healthy(server: str) -> bool:
+    try:
+        return post(server, COMPLETIONS, prompt="Hello", max_tokens=2, temperature=0).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 # -- autoscaling (last: it starts a second replica) ------------------------------------------------

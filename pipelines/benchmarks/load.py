@@ -80,7 +80,7 @@ def run(url: str, clients: int, total: int, max_seconds: float, max_tokens: int,
                 if response.status_code != 200:
                     outcome.errors.append(f"{response.status_code}: {reply.get('error', {}).get('message')}")
                     continue
-                stats = reply["domino"]
+                stats = reply["metrics"]
                 outcome.latencies.append(time.monotonic() - sent)
                 outcome.tokens += reply["usage"]["completion_tokens"]
                 outcome.rounds += stats["rounds"]

@@ -1,6 +1,11 @@
 """The replica's Prometheus metrics, through Ray Serve's metrics API (each series is tagged with the
 deployment, replica and application, and exported by the Ray node's metrics agent). Ray prefixes the
-names with `ray_`."""
+names with `ray_`.
+
+Beside domino's own series, the speculative-decoding counters carry vLLM's names as vLLM's Ray stat
+logger exports them (its `vllm:` prefix becomes `vllm_`, so `ray_vllm_spec_decode_num_drafts_total`
+and so on), with its `model_name` and `position` labels: dashboards built for vLLM on Ray Serve read
+them unchanged. tau = 1 + accepted tokens / drafts."""
 
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ ACCEPT_LENGTH_BUCKETS = [*range(1, 17), 24, 32, 48, MAX_BLOCK_SIZE + 1]
 class ReplicaMetrics:
     """Recorded on the engine thread: after every step, and when a request is cancelled."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.tokens = metrics.Counter("domino_generated_tokens", description="tokens generated and sent to clients")
         self.requests = metrics.Counter("domino_requests", description="requests that ended, by finish reason",
                                         tag_keys=("finish_reason",))
@@ -27,6 +33,16 @@ class ReplicaMetrics:
         self.verify_seconds = metrics.Counter("domino_verify_seconds", description="time spent in verify forwards")
         self.queue_depth = metrics.Gauge("domino_queue_depth",
                                          description="requests the replica holds, waiting or decoding")
+        model = ("model_name",)
+        self.num_drafts = metrics.Counter("vllm_spec_decode_num_drafts", tag_keys=model,
+                                          description="rounds that verified at least one drafted token")
+        self.num_draft_tokens = metrics.Counter("vllm_spec_decode_num_draft_tokens", tag_keys=model,
+                                                description="drafted tokens verified")
+        self.num_accepted_tokens = metrics.Counter("vllm_spec_decode_num_accepted_tokens", tag_keys=model,
+                                                   description="drafted tokens accepted")
+        self.accepted_per_pos = metrics.Counter("vllm_spec_decode_num_accepted_tokens_per_pos",
+                                                tag_keys=("model_name", "position"),
+                                                description="drafted tokens accepted, by position in the draft")
 
     def on_step(self, events: list[Event], in_flight: int) -> None:
         tokens = sum(len(event.tokens) for event in events)
@@ -42,7 +58,19 @@ class ReplicaMetrics:
                     self.draft_seconds.inc(stats.draft_s)
                 if stats.verify_s:
                     self.verify_seconds.inc(stats.verify_s)
+                self.on_speculation(stats)
         self.queue_depth.set(in_flight)
+
+    def on_speculation(self, stats) -> None:
+        spec, tags = stats.speculative_decoding, {"model_name": self.model_name}
+        if spec["num_drafts"]:
+            self.num_drafts.inc(spec["num_drafts"], tags=tags)
+            self.num_draft_tokens.inc(spec["num_draft_tokens"], tags=tags)
+        if spec["num_accepted_draft_tokens"]:
+            self.num_accepted_tokens.inc(spec["num_accepted_draft_tokens"], tags=tags)
+        for position, count in enumerate(spec["num_accepted_draft_tokens_per_pos"]):
+            if count:
+                self.accepted_per_pos.inc(count, tags={**tags, "position": str(position)})
 
     def on_cancel(self) -> None:
         self.requests.inc(tags={"finish_reason": "cancelled"})

@@ -2,21 +2,30 @@
 /v1/completions and /v1/chat/completions, and the error body.
 
 Requests are validated here, at the boundary: anything a model refuses becomes a 400 with an
-OpenAI-style error body before it reaches the engine. Unknown request fields are ignored (OpenAI
-clients send many optional ones); the fields below are the ones honoured.
+OpenAI-style error body before it reaches the engine, and the published OpenAPI schema states the
+same limits. All or nothing: a request field this server does not honour (tools, penalties, ...)
+is refused with a 400 that names it, never silently ignored.
+
+Per-request statistics travel in one extension field, `metrics` (GenerationStats.as_dict(): vLLM's
+`speculative_decoding` counts, tau, rounds and the time split). A complete response carries them for
+all its choices together; in a stream, each choice's last chunk carries that choice's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from domino.decoding import GenerationConfig, GenerationResult
+from domino.requests import GenerationStats, TokenLogprob
 from domino.sampling import SamplingParams
 
 # Optional response fields are left out of the JSON when unset (OpenAI omits them too).
 OMIT_WHEN_NONE = dict(default=None, exclude_if=lambda value: value is None)
+MAX_CHOICES = 16  # n: each choice is a row of the replica's batch
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions allow 5
+MAX_SEED = (1 << 53) - 1  # JSON numbers beyond this lose precision in many clients (and in the schema)
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -36,20 +45,30 @@ class ErrorResponse(BaseModel):
 # -- requests --------------------------------------------------------------------------------------
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(False, description="end the stream with a chunk holding usage (and no choices)")
+
+
 class GenerationRequest(BaseModel):
     """The fields both endpoints share: which model, how long, how to sample, when to stop."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="must name the served model when given")
-    max_tokens: int | None = Field(None, gt=0, description="new tokens at most")
+    max_tokens: int | None = Field(None, gt=0, description="new tokens at most; the prompt plus these must fit "
+                                                           "the model's context (else 400)")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="extension: keep the k most likely tokens (0 turns it off)")
-    stop: str | list[str] | None = Field(None, description="stop strings; the text ends before them")
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
+        None, description="stop strings; the text ends before them")
+    seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED,
+                             description="the same seed gives the same tokens, whatever else the server runs")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, decoded side by side")
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
     def generation_config(self, prompt_tokens: int, context: int) -> GenerationConfig:
         """The engine's config. Without max_tokens, the request may fill the rest of the context."""
@@ -58,23 +77,45 @@ class GenerationRequest(BaseModel):
             max_tokens = max(1, context - prompt_tokens)  # an over-long prompt is refused by the engine
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return GenerationConfig(max_new_tokens=max_tokens, stop_strings=stop, seed=self.seed,
-                                sampling=SamplingParams(self.temperature, self.top_p, self.top_k))
+                                sampling=SamplingParams(self.temperature, self.top_p, self.top_k),
+                                logprobs=self.top_logprobs_wanted())
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def top_logprobs_wanted(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
+        raise NotImplementedError
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+TokenId = Annotated[int, Field(ge=0)]
+
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] = Field(description="raw text (no chat template) or token ids")
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
+        description="raw text (no chat template) or token ids (each below the model's vocabulary size)")
     max_tokens: int | None = Field(16, gt=0, description="new tokens at most (OpenAI's default: 16)")
+    logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability under the model, "
+                                                               "with this many most likely alternatives")
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -85,11 +126,28 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    # top_logprobs needs logprobs: true, as the validator below enforces
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0, description="OpenAI's newer name for max_tokens")
+    logprobs: bool = Field(False, description="each token's log-probability under the model")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="most likely alternatives per token (needs logprobs: true)")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -101,11 +159,34 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
 
 
 class AssistantMessage(BaseModel):
@@ -116,6 +197,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -127,6 +209,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -135,9 +218,8 @@ class ResponseBase(BaseModel):
     created: int
     model: str
     usage: Usage | None = Field(**OMIT_WHEN_NONE)
-    # Extension: the request's speculative-decoding statistics (tau, rounds, acceptance by
-    # position, time split), as domino's GenerationStats.as_dict(). Set on the final object only.
-    domino: dict[str, Any] | None = Field(**OMIT_WHEN_NONE)
+    # Extension: the speculative-decoding statistics (see the module docstring).
+    metrics: dict[str, Any] | None = Field(**OMIT_WHEN_NONE)
 
 
 class CompletionResponse(ResponseBase):
@@ -170,11 +252,6 @@ class ModelList(BaseModel):
 # -- building responses from a generation ----------------------------------------------------------
 
 
-def usage(result: GenerationResult) -> Usage:
-    prompt, completion = result.stats.prompt_tokens, len(result.tokens)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
 class ResponseIds(BaseModel):
     """What every object of one response repeats."""
 
@@ -183,29 +260,71 @@ class ResponseIds(BaseModel):
     model: str
 
 
-def complete_response(chat: bool, ids: ResponseIds, result: GenerationResult
-                      ) -> CompletionResponse | ChatCompletionResponse:
-    """The whole reply of a request that is not streamed."""
-    final = dict(**ids.model_dump(), usage=usage(result), domino=result.stats.as_dict())
-    text, finish = result.text or "", result.finish_reason
-    if chat:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)
-        return ChatCompletionResponse(**final, choices=[choice])
-    return CompletionResponse(**final, choices=[CompletionChoice(text=text, finish_reason=finish)])
+class Formatter:
+    """Turns the engine's tokens, log-probabilities and results into one endpoint's objects."""
+
+    def __init__(self, chat: bool, ids: ResponseIds, tokenizer):
+        self.chat, self.ids, self.tokenizer = chat, ids, tokenizer
+
+    def piece(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _top(self, pairs: list[tuple[int, float]]) -> list[TopLogprob]:
+        return [TopLogprob(token=(text := self.piece(t)), logprob=v, bytes=list(text.encode())) for t, v in pairs]
+
+    def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0
+                 ) -> ChatLogprobs | CompletionLogprobs | None:
+        """`entries` in the endpoint's format; `offset`: the length of the text before them."""
+        if entries is None:
+            return None
+        if self.chat:
+            return ChatLogprobs(content=[
+                ChatTokenLogprob(token=(text := self.piece(e.token)), logprob=e.logprob, bytes=list(text.encode()),
+                                 top_logprobs=self._top(e.top)) for e in entries])
+        pieces = [self.piece(e.token) for e in entries]
+        offsets = [offset + sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+        return CompletionLogprobs(tokens=pieces, token_logprobs=[e.logprob for e in entries],
+                                  top_logprobs=[{self.piece(t): v for t, v in e.top} for e in entries],
+                                  text_offset=offsets)
+
+    def complete(self, results: list[GenerationResult]) -> CompletionResponse | ChatCompletionResponse:
+        """The whole reply of a request that is not streamed, one choice per result."""
+        final = dict(**self.ids.model_dump(), usage=usage(results), metrics=combined_metrics(results))
+        if self.chat:
+            return ChatCompletionResponse(**final, choices=[
+                ChatChoice(index=i, message=AssistantMessage(content=r.text or ""), logprobs=self.logprobs(r.logprobs),
+                           finish_reason=r.finish_reason) for i, r in enumerate(results)])
+        return CompletionResponse(**final, choices=[
+            CompletionChoice(index=i, text=r.text or "", logprobs=self.logprobs(r.logprobs),
+                             finish_reason=r.finish_reason) for i, r in enumerate(results)])
+
+    def chunk(self, index: int, text: str | None, logprobs: list[TokenLogprob] | None = None, offset: int = 0,
+              result: GenerationResult | None = None, role: bool = False) -> CompletionResponse | ChatCompletionChunk:
+        """One streamed object for choice `index`: new text, or (with `result`) the choice's last one,
+        carrying its finish reason and statistics."""
+        finish = result.finish_reason if result is not None else None
+        metrics = result.stats.as_dict() if result is not None else None
+        if self.chat:
+            delta = Delta(role="assistant" if role else None, content=text)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=self.logprobs(logprobs), finish_reason=finish)
+            return ChatCompletionChunk(**self.ids.model_dump(), metrics=metrics, choices=[choice])
+        choice = CompletionChoice(index=index, text=text or "", logprobs=self.logprobs(logprobs, offset),
+                                  finish_reason=finish)
+        return CompletionResponse(**self.ids.model_dump(), metrics=metrics, choices=[choice])
+
+    def usage_chunk(self, results: list[GenerationResult]) -> CompletionResponse | ChatCompletionChunk:
+        """The last object of a stream that asked for usage: no choices."""
+        final = dict(**self.ids.model_dump(), usage=usage(results), metrics=combined_metrics(results), choices=[])
+        return ChatCompletionChunk(**final) if self.chat else CompletionResponse(**final)
 
 
-def chunk(chat: bool, ids: ResponseIds, text: str | None, result: GenerationResult | None = None,
-          role: bool = False) -> CompletionResponse | ChatCompletionChunk:
-    """One streamed object: new text, or (with `result`) the last one, carrying the finish reason,
-    usage and statistics."""
-    final = dict(usage=usage(result), domino=result.stats.as_dict()) if result is not None else {}
-    finish = result.finish_reason if result is not None else None
-    if chat:
-        delta = Delta(role="assistant" if role else None, content=text)
-        return ChatCompletionChunk(**ids.model_dump(), **final,
-                                   choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
-    return CompletionResponse(**ids.model_dump(), **final, choices=[CompletionChoice(text=text or "",
-                                                                                     finish_reason=finish)])
+def usage(results: list[GenerationResult]) -> Usage:
+    prompt, completion = results[0].stats.prompt_tokens, sum(len(r.tokens) for r in results)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def combined_metrics(results: list[GenerationResult]) -> dict[str, Any]:
+    return GenerationStats.combined([r.stats for r in results]).as_dict()
 
 
 def sse(payload: BaseModel) -> str:
