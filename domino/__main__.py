@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
-    generate.add_argument("--block-size", type=int, default=16, help="draft length for --drafter oracle")
+    generate.add_argument("--block-size", type=int, default=None,
+                          help="draft length for --drafter oracle (default 16); a checkpoint has its own")
     generate.add_argument("--verify", choices=["full", "threshold"], default="full",
                           help="verify every draft (default), or stop where the confidence head's estimate that "
                                "the prefix survives falls below --threshold (drafters with a confidence head)")

@@ -27,9 +27,9 @@ def drafts_from_scratch(drafter: Drafter, features: torch.Tensor, ids: torch.Ten
     drafter.extend_context(cache, features, torch.arange(t, device=ids.device)[None])
     cache.keys = [k.expand(count, -1, -1, -1) for k in cache.keys]
     cache.values = [v.expand(count, -1, -1, -1) for v in cache.values]
-    cache.valid = torch.arange(t, device=ids.device)[None] < anchors[:, None]
+    valid = torch.arange(t, device=ids.device)[None] < anchors[:, None]
     sampling = sampling or RowSampling([GREEDY] * count, [None] * count)
-    return drafter.draft(cache, ids[anchors], sampling, positions=anchors)
+    return drafter.draft(cache, ids[anchors], sampling, positions=anchors, valid=valid)
 
 
 @torch.no_grad()

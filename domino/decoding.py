@@ -18,15 +18,20 @@ from domino.requests import GenerationConfig, GenerationResult, GenerationStats,
 from domino.target import Target
 
 __all__ = ["GenerationConfig", "GenerationResult", "GenerationStats", "Generation", "SpeculativeDecoder"]
+REQUEST_ID = "request"
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int = 16, policy=None):
-        self.target, self.drafter, self.block_size, self.policy = target, drafter, block_size, policy
-        DecodingEngine(target, drafter, block_size, policy)  # check the arguments now
+    """One engine, used by one request at a time (the arguments are DecodingEngine's, checked here)."""
+
+    def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int | None = None,
+                 policy=None):
+        self.engine = DecodingEngine(target, drafter, block_size, policy)
 
     def start(self, prompt_ids: list[int], config: GenerationConfig) -> "Generation":
-        return Generation(DecodingEngine(self.target, self.drafter, self.block_size, self.policy), prompt_ids, config)
+        """Begin one request; one this decoder was still running (its caller stopped iterating) is dropped."""
+        self.engine.cancel(REQUEST_ID)
+        return Generation(self.engine, prompt_ids, config)
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig,
                  on_tokens: Callable[[list[int], str], None] | None = None) -> GenerationResult:
@@ -44,7 +49,7 @@ class Generation:
 
     def __init__(self, engine: DecodingEngine, prompt_ids: list[int], config: GenerationConfig):
         self.engine = engine
-        self.state: RequestState = engine.add("request", prompt_ids, config)
+        self.state: RequestState = engine.add(REQUEST_ID, prompt_ids, config)
 
     @property
     def result(self) -> GenerationResult:

@@ -89,8 +89,8 @@ class DraftLayer(nn.Module):
 class ContextCache:
     """Per draft layer, the keys and values of the context (n, kv_heads, slots, head_dim). Only
     committed tokens' features are attended to; a drafted block is never cached. In a batch of
-    requests, rows hold different numbers of tokens: `valid` (n, slots) marks the slots that count
-    (None: all of them).
+    requests, rows hold different numbers of tokens: which slots count is the batch's to say
+    (BatchCaches.valid, handed to `Drafter.draft`).
 
     Features can also be `stage`d: kept as they are and turned into keys and values only by
     `catch_up`, which every draft runs first. Rounds that decode plainly (the speculation gate shut)
@@ -98,7 +98,6 @@ class ContextCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    valid: torch.Tensor | None = None
     project: Callable[[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
     staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (features, positions)
 
@@ -247,14 +246,14 @@ class Drafter(nn.Module):
 
     # -- drafting ----------------------------------------------------------------------------------
     def extend_context(self, cache: ContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache (the caller
-        keeps `cache.valid` in step when rows differ)."""
+        """Append tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache."""
         cache.append(self.context_kv(features, positions))
 
     @torch.no_grad()
     def draft(self, cache: ContextCache, anchors: torch.Tensor, sampling: RowSampling,
               positions: torch.Tensor | None = None,
-              screen: Callable[[torch.Tensor], bool] | None = None, needed: int | None = None) -> Draft | None:
+              screen: Callable[[torch.Tensor], bool] | None = None, needed: int | None = None,
+              valid: torch.Tensor | None = None) -> Draft | None:
         """One drafting round: propose the `config.num_drafts` tokens after each anchor (n,), sitting at
         `positions` (n,) (default: right after the cached context). Each proposal is chosen by the row's
         sampling rule from a distribution conditioned on the proposals before it, and that distribution
@@ -265,6 +264,8 @@ class Drafter(nn.Module):
         loop does near the end of a request: the block attends to itself without a causal mask, so its
         drafts depend on its length, and this keeps our decoding of a DFlash checkpoint the reference's,
         token for token and round for round.
+
+        `valid` (n, slots): the context slots each row attends to (None: all of them).
 
         `screen` (drafters with a confidence head) sees the first position's survival estimates (n,),
         which need no logits, and answers whether any draft is worth verifying. When none is, the round
@@ -277,8 +278,8 @@ class Drafter(nn.Module):
         if positions is None:
             positions = torch.full((n,), cache.length, device=anchors.device)
         mask = None
-        if cache.valid is not None:  # attend to the valid context slots and to the whole block
-            mask = torch.cat([cache.valid, cache.valid.new_ones(n, block)], dim=1)[:, None, None, :]
+        if valid is not None:  # attend to the valid context slots and to the whole block
+            mask = torch.cat([valid, valid.new_ones(n, block)], dim=1)[:, None, None, :]
         h = self.backbone(self.block_ids(anchors, block), positions[:, None] + offsets,
                           [cache.layer(i) for i in range(len(self.layers))], mask)[:, silent:]
         prev, prev_embed = anchors, self.embed(anchors)

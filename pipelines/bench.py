@@ -1,137 +1,48 @@
-"""Benchmark decoding methods side by side on real prompt sets.
+"""Every benchmark, one command: `python -m pipelines.bench COMMAND [options]` (COMMAND --help for each).
 
-    python -m pipelines.bench --datasets humaneval mt-bench gsm --methods autoregressive hf-generate \\
-        prompt-lookup oracle domino=$HOME/domino-runs/smollm2-sharegpt/step_000400/drafter --prompts 10 --max-new-tokens 128 --out results/bench
-
-Every method sees the same target, prompts and limits in one run (greedy); speedups are against plain
-autoregressive decoding from the same run, and "lossless" says whether a method's outputs equal it.
-Writes results.json, results.md and two plots (acceptance by position, speedup per dataset).
-
-With --ablation it first trains, through the training pipeline, one drafter per variant of Domino's
-ablation (heads none, markov, rnn, domino, and domino without the base-anchored curriculum) on the
-same data and budget, then benchmarks them together. `--train key=value ...` sets that budget with
-the pipeline's own config keys (python pipelines/train.py --help), e.g. --train steps=120.
+Speed and memory are measured here, never asserted in tests; docs/benchmarks.md records what each
+command printed, with the machine it ran on.
 """
 
 from __future__ import annotations
 
-import argparse
-import shlex
+import importlib
 import sys
-from pathlib import Path
 
-from tqdm.auto import tqdm
-
-from domino.errors import DominoError
-from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarking.methods import BUILTIN, Method, make_method
-from pipelines.benchmarking.prompts import EMBEDDED, PromptSet, load_prompt_set
-from pipelines.benchmarking.report import BASELINE, Row, compare_with_baseline, markdown, write
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench", "gsm"],
-                        help=f"embedded sets ({', '.join(EMBEDDED)}) or turns-JSONL files")
-    parser.add_argument("--methods", nargs="+", default=["autoregressive", "hf-generate", "prompt-lookup", "oracle"],
-                        help=f"{', '.join(BUILTIN)}, or drafter checkpoints as PATH or NAME=PATH")
-    parser.add_argument("--prompts", type=int, default=10, help="conversations per dataset")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
-    parser.add_argument("--block-size", type=int, default=16, help="for the oracle")
-    parser.add_argument("--verify", choices=["full", "threshold", "confidence"], default="full",
-                        help="how many of its drafts a drafter's round verifies (threshold and confidence need "
-                             "a confidence head; confidence profiles the target's steps per second first)")
-    parser.add_argument("--out", default="results/bench", help="output folder")
-    parser.add_argument("--ablation", action="store_true", help="train the ablation's drafters first")
-    parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="training-pipeline config for the ablation (same for every variant)")
-    args = parser.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 1:
-        parser.error("--prompts and --max-new-tokens must be positive")
-    return args
-
-
-# Domino's ablation: the same backbone, data and budget; only the head (and the curriculum) differ.
-ABLATION = {
-    "head-none": {"head": "none"},
-    "head-markov": {"head": "markov"},
-    "head-rnn": {"head": "rnn"},
-    "head-domino": {"head": "domino"},
-    "domino-no-curriculum": {"head": "domino", "curriculum_fraction": 0.0},
+# command -> (module under pipelines.benchmarks, what it measures)
+COMMANDS = {
+    "run": ("side_by_side", "decoding methods side by side on prompt sets: tokens/s, tau, lossless"),
+    "ablation": ("side_by_side", "train Domino's head ablation through the pipeline, then `run` its drafters"),
+    "engine": ("engine", "the decoding loop alone: plain, oracle drafts, our engine against a textbook loop"),
+    "batching": ("batching", "continuous batching of concurrent requests against one at a time"),
+    "load": ("load", "concurrent OpenAI clients against live Serve endpoints: latency and errors"),
+    "pipeline": ("pipeline", "the training pipeline's throughput and memory (no feature cache)"),
+    "drafter-costs": ("drafter_costs", "one draft against one target decode step"),
+    "dflash-race": ("dflash_race", "our engine against z-lab's dflash_generate on one DFlash checkpoint"),
+    "learning-curve": ("learning_curve", "held-out tau against training minutes, one variant at a time"),
+    "gpu-check": ("gpu_check", "the pipeline on one GPU with a random Qwen3-shaped target"),
 }
 
 
-def train_ablation(train_args: list[str]) -> list[str]:
-    """Train every ablation variant with the pipeline; return their drafters as NAME=PATH method specs."""
-    from pipelines import checkpoints
-    from pipelines.config import build_config, parse_args
-    from pipelines.train import run
-
-    base = parse_args(train_args).model_dump(exclude_unset=True)
-    specs = []
-    for name, overrides in ABLATION.items():
-        cfg = build_config({**base, **overrides, "run_name": f"{base.get('run_name', 'ablation')}-{name}",
-                            "eval_prompts": 0})
-        print(f"[ablation] training {name}: {overrides}", flush=True)
-        run(cfg)
-        uri = checkpoints.latest(cfg).drafter_uri
-        if "://" in uri:
-            raise DominoError(f"the ablation benchmarks drafters from local storage; {uri} is remote")
-        specs.append(f"{name}={uri}")
-    return specs
-
-
-def run_conversation(method: Method, turns: list[str], max_new_tokens: int) -> list:
-    """Each user turn in order, with the method's own answers fed back as assistant turns."""
-    target, messages, outputs = method.target, [], []
-    for turn in turns:
-        messages.append({"role": "user", "content": turn})
-        output = method.generate(target.encode_prompt(messages), max_new_tokens)
-        outputs.append(output)
-        messages.append({"role": "assistant", "content": target.tokenizer.decode(output.tokens, skip_special_tokens=True)})
-    return outputs
-
-
-def benchmark(target: Target, methods: list[Method], prompt_sets: list[PromptSet], max_new_tokens: int) -> list[Row]:
-    rows: dict[tuple[str, str], Row] = {}
-    outputs: dict[tuple[str, str], list[list[int]]] = {}
-    warm_up = target.encode_prompt("Hello!")
-    for method in methods:  # first calls pay one-off costs (allocations, lazy imports): not timed
-        method.generate(warm_up, 4)
-    total = sum(len(ps.conversations) for ps in prompt_sets) * len(methods)
-    with tqdm(total=total, desc="bench", dynamic_ncols=True) as bar:
-        for prompt_set in prompt_sets:
-            for turns in prompt_set.conversations:
-                for method in methods:  # alternate methods prompt by prompt: they see the same machine load
-                    key = (method.name, prompt_set.name)
-                    row = rows.setdefault(key, Row(method.name, prompt_set.name))
-                    for output in run_conversation(method, turns, max_new_tokens):
-                        row.add(output)
-                        outputs.setdefault(key, []).append(output.tokens)
-                    bar.update()
-    compare_with_baseline(rows, outputs)
-    return list(rows.values())
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    return __doc__ + "\ncommands:\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        prompt_sets = [load_prompt_set(spec, args.prompts) for spec in args.datasets]
-        drafters = train_ablation(args.train) if args.ablation else []
-        target = Target.load(args.target)
-        specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
-        methods = [make_method(spec, target, args.block_size, args.verify) for spec in specs]
-    except DominoError as error:
-        print(f"error: {error}", file=sys.stderr)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown benchmark '{command}'\n\n{usage()}", file=sys.stderr)
         return 2
-    rows = benchmark(target, methods, prompt_sets, args.max_new_tokens)
-    command = "python -m pipelines.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
-    files = write(rows, Path(args.out), command)
-    print(markdown(rows))
-    print("\nwrote " + ", ".join(str(p) for p in files.values()))
-    return 0
+    module = importlib.import_module(f"pipelines.benchmarks.{COMMANDS[command][0]}")
+    if module.__name__.endswith("side_by_side"):
+        return module.main(rest, ablation=command == "ablation")
+    return module.main(rest) or 0
 
 
 if __name__ == "__main__":

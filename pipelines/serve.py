@@ -283,11 +283,8 @@ def load_engine(args: ServeArgs) -> DecodingEngine:
     drafter = args.drafter if args.drafter in ("none", "oracle") else Drafter.from_pretrained(args.drafter, target)
     if isinstance(drafter, Drafter):
         drafter = drafter.to(target.model.dtype)
-        if args.block_size not in (None, drafter.config.block_size):
-            raise DominoError(f"the drafter at {args.drafter} drafts blocks of {drafter.config.block_size} tokens, "
-                              f"not {args.block_size}: leave block_size unset")
     policy = make_policy(args.verify, target, threshold=args.threshold, max_tokens=args.max_batch_tokens)
-    return DecodingEngine(target, None if drafter == "none" else drafter, block_size=args.block_size or 16,
+    return DecodingEngine(target, None if drafter == "none" else drafter, block_size=args.block_size,
                           policy=policy)
 
 

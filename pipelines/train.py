@@ -32,14 +32,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from domino.errors import DominoError  # noqa: E402
 from domino.target import Target, check_causal_lm, resolve_target  # noqa: E402
 from domino.vocabulary import coverage, most_frequent  # noqa: E402
-from pipelines import checkpoints  # noqa: E402
-from pipelines.config import PipelineConfig, command_line, parse_args  # noqa: E402
-from pipelines.data import (check_survey, repeated, response_token_counts, survey, tokenized_conversations,  # noqa: E402
+from pipelines.training import checkpoints  # noqa: E402
+from pipelines.training.config import PipelineConfig, command_line, parse_args  # noqa: E402
+from pipelines.training.data import (check_survey, repeated, response_token_counts, survey, tokenized_conversations,  # noqa: E402
                             training_rows)
-from pipelines.errors import root_cause  # noqa: E402
-from pipelines.evaluate import evaluate, format_table  # noqa: E402
-from pipelines.features import regenerated, with_features  # noqa: E402
-from pipelines.trainer import drafter_config, fit  # noqa: E402
+from pipelines.training.errors import root_cause  # noqa: E402
+from pipelines.training.evaluate import evaluate, format_table  # noqa: E402
+from pipelines.training.features import regenerated, with_features  # noqa: E402
+from pipelines.training.trainer import drafter_config, fit  # noqa: E402
 
 
 def connect() -> None:

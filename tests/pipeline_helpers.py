@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from domino.target import cache_dir
+from domino.embedded import cache_dir
 
 
 def save_tiny_chat_target(folder: Path, seed: int = 0) -> Path:

@@ -7,9 +7,9 @@ import pytest
 from domino.errors import DominoError
 from domino.requests import GenerationStats
 from pipelines import bench
-from pipelines.benchmarking.methods import Output, make_method
-from pipelines.benchmarking.prompts import load_prompt_set
-from pipelines.benchmarking.report import Row, compare_with_baseline
+from pipelines.benchmarks.methods import Output, make_method
+from pipelines.benchmarks.prompts import load_prompt_set
+from pipelines.benchmarks.report import Row, compare_with_baseline
 
 
 def trace(tokens, seconds, accept_lengths, proposed, accepted, draft=0.0, verify=0.0):
@@ -39,7 +39,7 @@ def test_tiny_end_to_end_run(tmp_path, embedded_target):
     data = tmp_path / "two.jsonl"
     data.write_text(json.dumps({"turns": ["Say hi.", "Now say bye."]}) + "\n")
     out = tmp_path / "out"
-    code = bench.main(["--datasets", str(data), "humaneval", "--prompts", "1", "--max-new-tokens", "6",
+    code = bench.main(["run", "--datasets", str(data), "humaneval", "--prompts", "1", "--max-new-tokens", "6",
                        "--methods", "hf-generate", "oracle", "--out", str(out)])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
@@ -64,12 +64,12 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
         load_prompt_set(str(bad), 5)
     with pytest.raises(DominoError, match="unknown method 'beam'"):
         make_method("beam", embedded_target)
-    assert bench.main(["--datasets", str(tmp_path / "nope.jsonl")]) == 2
+    assert bench.main(["run", "--datasets", str(tmp_path / "nope.jsonl")]) == 2
     assert "error: dataset" in capsys.readouterr().err
 
 
 def test_embedded_prompt_sets_load_and_sharegpt_is_held_out_of_training():
-    from pipelines.data import MalformedRow, embedded_sharegpt, to_messages
+    from pipelines.training.data import MalformedRow, embedded_sharegpt, to_messages
 
     for name in ("humaneval", "mt-bench", "gsm"):
         conversations = load_prompt_set(name, 2).conversations
@@ -84,3 +84,19 @@ def test_embedded_prompt_sets_load_and_sharegpt_is_held_out_of_training():
         except MalformedRow:
             continue
     assert not set(held_out) & trained_on
+
+
+def test_one_command_runs_every_benchmark(capsys):
+    """`python -m pipelines.bench COMMAND`: each command's module exists and answers --help under its own name."""
+    assert bench.main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for command in bench.COMMANDS:
+        assert command in listed
+        try:
+            code = bench.main([command, "--help"])
+        except SystemExit as exit:  # argparse's --help
+            code = exit.code
+        assert code == 0, command
+        assert capsys.readouterr().out.strip(), command
+    assert bench.main(["no-such-benchmark"]) == 2
+    assert "unknown benchmark 'no-such-benchmark'" in capsys.readouterr().err

@@ -137,8 +137,8 @@ def test_aws_groups_are_told_apart_by_what_work_asks_for():
 
 
 def test_training_config_is_a_valid_pipeline_config():
-    require("pipelines/config.py")
-    from pipelines.config import build_config
+    require("pipelines/training/config.py")
+    from pipelines.training.config import build_config
 
     cfg = build_config(load("cluster/train-gpu.yaml"))
     assert cfg.use_gpu and cfg.storage_path.startswith("s3://")
@@ -395,8 +395,8 @@ def test_docs_entry_point_exists_and_answers_help(entry, help_outputs):
 
 
 def test_docs_training_commands_use_real_config_keys():
-    require("pipelines/config.py")
-    from pipelines.config import parse_args
+    require("pipelines/training/config.py")
+    from pipelines.training.config import parse_args
 
     cwd = os.getcwd()
     os.chdir(ROOT)  # --config paths in the docs are relative to the repository root

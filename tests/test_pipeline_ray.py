@@ -20,8 +20,8 @@ import ray
 from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.target import Target
-from pipelines.checkpoints import TEMP_PREFIX
-from pipelines.config import build_config
+from pipelines.training.checkpoints import TEMP_PREFIX
+from pipelines.training.config import build_config
 from pipelines.train import main, run
 from pipeline_helpers import conversation, save_tiny_chat_target, write_jsonl
 

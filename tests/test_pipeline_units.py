@@ -10,11 +10,11 @@ import torch
 from transformers import AutoTokenizer
 
 from domino.errors import DominoError
-from domino.target import cache_dir
-from pipelines.config import PipelineConfig, parse_args
-from pipelines.data import TOO_LONG, MalformedRow, embedded_sharegpt, list_files, to_messages, tokenize_batch
-from pipelines.features import from_numpy, to_numpy
-from pipelines.trainer import Feed, PadCollate
+from domino.embedded import cache_dir
+from pipelines.training.config import PipelineConfig, parse_args
+from pipelines.training.data import TOO_LONG, MalformedRow, embedded_sharegpt, list_files, to_messages, tokenize_batch
+from pipelines.training.features import from_numpy, to_numpy
+from pipelines.training.trainer import Feed, PadCollate
 from pipeline_helpers import conversation, write_jsonl
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import BertConfig, T5Config
 
 from domino.errors import DominoError
-from domino.target import Target, check_layer_ids, chosen_layers, resolve_target, select_layer_ids
+from domino.target import Target, check_layer_ids, resolve_target, select_layer_ids
 from helpers import tiny_target
 
 
@@ -45,6 +45,13 @@ def test_non_decoder_models_are_refused(tmp_path, config):
         Target.load(str(tmp_path))
 
 
+def chosen_layers(hidden_states: tuple[torch.Tensor, ...], layer_ids, final_hidden: bool):
+    """The reference: (features, final hidden state) from Hugging Face's `hidden_states`, where entry
+    i + 1 is layer i's output and the last entry has the final norm applied (DFlash reads them so)."""
+    features = torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1) if layer_ids else None
+    return features, hidden_states[-1] if final_hidden else None
+
+
 def test_features_are_the_chosen_layer_outputs_and_cache_is_consistent():
     target = tiny_target()
     ids = torch.randint(0, 96, (1, 12))
@@ -52,9 +59,11 @@ def test_features_are_the_chosen_layer_outputs_and_cache_is_consistent():
     reference = target.model(ids, output_hidden_states=True)
     assert torch.equal(full.features, torch.cat([reference.hidden_states[2], reference.hidden_states[4]], -1))
     assert torch.allclose(target.lm_head(full.final_hidden), full.logits, atol=1e-5)
-    hooked = target.forward(ids, layer_ids=[3, 1])  # without final_hidden the layers are read by hooks
+    hooked = target.forward(ids, layer_ids=[3, 1])  # in any order, and without the final hidden state
     assert torch.equal(hooked.features, torch.cat([reference.hidden_states[4], reference.hidden_states[2]], -1))
     assert torch.equal(hooked.logits, full.logits)
+    last = target.forward(ids, layer_ids=[5, 1])  # the last layer's output comes after the final norm
+    assert torch.equal(last.features, torch.cat([reference.hidden_states[6], reference.hidden_states[2]], -1))
     # prefill + incremental steps give the same logits and features as one full pass
     cache = target.new_cache()
     first = target.forward(ids[:, :7], cache, layer_ids=[1, 3])
@@ -92,7 +101,7 @@ def test_training_features_equal_forward_and_skip_the_layers_past_the_deepest():
 def test_interrupted_conversion_leaves_no_cache(tmp_path):
     """Kill a conversion mid-way: the cache folder must not exist, so the next run converts afresh."""
     env = {**os.environ, "DOMINO_CACHE": str(tmp_path)}
-    code = "from domino.target import convert_embedded; convert_embedded('smollm2-135m')"
+    code = "from domino.embedded import convert_embedded; convert_embedded('smollm2-135m')"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 60
     while time.time() < deadline and not any(p.name.startswith(".smollm2") for p in tmp_path.iterdir()):

@@ -8,7 +8,7 @@ and alternating steps exposes every method to the same drift. Each engine serves
 cold (allocator, caches, the scheduler's gate still learning; its total is reported apart), then
 `--repeats` times timed, as a server that has been running would.
 
-    python -m pipelines.benchmarks.batching --drafter $HOME/domino-runs/smollm2-sharegpt/step_000400/drafter [--concurrency 1 4 16 32]
+    python -m pipelines.bench batching --drafter $HOME/domino-runs/smollm2-sharegpt/step_000400/drafter [--concurrency 1 4 16 32]
 """
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ def lockstep(engines: dict[str, DecodingEngine], prompts: list[list[int]], max_n
             for name in engines}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench batching", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter", required=True, help="a drafter checkpoint with a confidence head")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after the cold one")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     target = Target.load(args.target)
     drafter = Drafter.from_pretrained(args.drafter, target)
@@ -102,6 +102,3 @@ def main() -> None:
                   f"{min(each):.2f}-{max(each):.2f} | {per_user:.1f} | {tau:.2f} | {total([cold[name]]):.1f} | {same} |",
                   flush=True)
 
-
-if __name__ == "__main__":
-    main()

@@ -7,8 +7,8 @@ included. tau is tokens per verify forward. Then our engine serves 8 and 32 conc
 (the same prompts, cycled) against the reference loop serving them one request after another, which
 is its batch-1 rate: its loop takes one request at a time.
 
-    python -m pipelines.benchmarks.dflash_race --drafter DIR [--max-new-tokens 32] [--concurrency 8 32]
-    python -m pipelines.benchmarks.dflash_race --make-random DIR   # then run with --drafter DIR
+    python -m pipelines.bench dflash-race --drafter DIR [--max-new-tokens 32] [--concurrency 8 32]
+    python -m pipelines.bench dflash-race --make-random DIR   # then run with --drafter DIR
 
 `--make-random` writes a random 1-layer, block-8 drafter for the target in DFlash's format (through our
 export), for a machine without a published DFlash drafter for its target: its drafts are rarely
@@ -71,8 +71,8 @@ def ours(engine: DecodingEngine, prompts: list[list[int]], max_new_tokens: int) 
                 committed=sum(sum(s.stats.accept_lengths) for s in states))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench dflash-race", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter", help="a DFlash-format drafter folder for the target")
     parser.add_argument("--make-random", metavar="DIR", help="write a random DFlash drafter for the target and stop")
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="batch-1 prompts (at most 6)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 on a shared machine")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -135,6 +135,3 @@ def main() -> None:
             print(f"| {n} | {total:.2f} | {rate['reference']:.2f} | {total / rate['reference']:.2f}x | "
                   f"{run['committed'] / max(1, run['rounds']):.2f} | {equal} |")
 
-
-if __name__ == "__main__":
-    main()

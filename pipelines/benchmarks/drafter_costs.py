@@ -1,9 +1,9 @@
 """What a drafter costs on the embedded target: parameters per head kind, and the time of one draft
 forward against one target decode step and one target verification of a whole block. The drafter's
-shape defaults to the training pipeline's default (pipelines/config.py); drafts are timed with the
+shape defaults to the training pipeline's default (pipelines/training/config.py); drafts are timed with the
 target's whole vocabulary and with the reduced draft vocabulary, per head kind.
 
-    python -m pipelines.benchmarks.drafter_costs [--target smollm2-135m] [--layers 1] [--block-size 8]
+    python -m pipelines.bench drafter-costs [--target smollm2-135m] [--layers 1] [--block-size 8]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from domino.config import HEAD_KINDS, DrafterConfig
 from domino.drafter import ContextCache, Drafter
 from domino.sampling import GREEDY, RowSampling
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.config import PipelineConfig
+from pipelines.training.config import PipelineConfig
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -32,8 +32,8 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench drafter-costs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     default = PipelineConfig()
     parser.add_argument("--layers", type=int, default=default.draft_layers, help="draft layers")
@@ -43,7 +43,7 @@ def main() -> None:
                         help="draft vocabulary sizes to time (0: the target's whole vocabulary)")
     parser.add_argument("--context", type=int, default=256, help="tokens already in the caches")
     parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     target = Target.load(args.target)
@@ -93,6 +93,3 @@ def main() -> None:
     for name, seconds in timings.items():
         print(f"| {name} | {1000 * seconds:.1f} | {seconds / step:.2f}x |")
 
-
-if __name__ == "__main__":
-    main()

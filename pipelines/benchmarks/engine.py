@@ -2,7 +2,7 @@
 drafter (the target's own greedy continuation, so every draft is accepted) through the same loop.
 Methods alternate prompt by prompt, so both see the same machine load.
 
-    python -m pipelines.benchmarks.engine [--block-size 16] [--max-new-tokens 128]
+    python -m pipelines.bench engine [--block-size 16] [--max-new-tokens 128]
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ PROMPTS = [
 ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--drafter", action="append", default=[], help="also time this drafter checkpoint")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     target = Target.load(args.target)
     methods = {"autoregressive": SpeculativeDecoder(target, None),
@@ -70,6 +70,3 @@ def main() -> None:
         print(f"| {name} | {speed:.1f} | {speed / baseline:.2f}x | {t['committed'] / max(1, t['rounds']):.2f} | "
               f"{share['prefill']:.0f}% | {share['draft']:.0f}% | {share['verify']:.0f}% | {share['other']:.1f}% | {same} |")
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 target with random weights, reporting the figures of pipelines/benchmarks/pipeline.py. Run wherever a
 GPU is available (CI does not); it should finish within 10 minutes on one GPU.
 
-    python -m pipelines.benchmarks.gpu_check [--shape 4b|1.7b|0.6b] [--steps 100] [key=value ...]
+    python -m pipelines.bench gpu-check [--shape 4b|1.7b|0.6b] [--steps 100] [key=value ...]
 
 The target has Qwen3's layers, widths and heads; its vocabulary is that of the embedded target's
 tokenizer (the one chat tokenizer available offline), so ShareGPT tokenises as in the CPU default.
@@ -12,7 +12,6 @@ Random weights make tau meaningless here, so the closing evaluation is off.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,15 +21,15 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from domino.errors import DominoError
 from domino.target import DEFAULT_TARGET, resolve_target
-from pipelines.config import PipelineConfig, parse_args
-from pipelines.errors import exit_status
+from pipelines.training.config import PipelineConfig, parse_args
+from pipelines.training.errors import exit_status
 
 # Qwen3 model cards: layers, hidden, intermediate, attention heads, key/value heads
 SHAPES = {"4b": (36, 2560, 9728, 32, 8), "1.7b": (28, 2048, 6144, 16, 8), "0.6b": (28, 1024, 3072, 16, 8)}
 
 
 def arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench gpu-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="4b", help="Qwen3 size to imitate")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--storage", default=None, help="storage_path (default: a temporary folder)")
@@ -81,10 +80,7 @@ def check(args: argparse.Namespace, overrides: list[str]) -> None:
         print(report(cfg, outcome, time.perf_counter() - start))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = arguments(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]) -> int:
+    args, overrides = arguments(argv)
     return exit_status(lambda: check(args, overrides))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """How much a drafter learns per CPU minute: held-out tau against training cost, one variant at a time.
 
-    python -m pipelines.benchmarks.learning_curve [--variants base vocab-full ...] [--steps 300]
+    python -m pipelines.bench learning-curve [--variants base vocab-full ...] [--steps 300]
         [--conversations 1200] [--out docs/img/learning-curve.png]
 
 Every variant trains on the same embedded ShareGPT conversations in the same order with the same seed,
@@ -33,9 +33,9 @@ from domino.objective import DraftingObjective, ObjectiveConfig, curriculum_lamb
 from domino.target import DEFAULT_TARGET, Target, resolve_target
 from domino.training import AdamWStep, MetricsWindow, TrainConfig
 from domino.vocabulary import count_tokens, most_frequent
-from pipelines.data import TOO_LONG, embedded_sharegpt, embedded_sharegpt_tail, tokenize_batch
-from pipelines.features import Regenerate, TargetFeatures
-from pipelines.trainer import PadCollate
+from pipelines.training.data import TOO_LONG, embedded_sharegpt, embedded_sharegpt_tail, tokenize_batch
+from pipelines.training.features import Regenerate, TargetFeatures
+from pipelines.training.trainer import PadCollate
 
 
 @dataclass(frozen=True)
@@ -240,8 +240,8 @@ def plot(curves: list[Curve], path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench learning-curve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--variants", nargs="+", default=["base"], choices=sorted(VARIANTS))
     parser.add_argument("--steps", type=int, default=300)
@@ -252,7 +252,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per target-written answer")
     parser.add_argument("--evaluations", type=int, default=5, help="held-out measurements per variant")
     parser.add_argument("--out", type=Path, default=None, help="PNG of tau against cost")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     target_path = resolve_target(args.target)
@@ -294,6 +294,3 @@ def main() -> None:
         plot(curves, args.out)
         print(f"\nplot: {args.out}")
 
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ total tokens/s, and the server's speculative statistics.
 Loopback only: it refuses any host other than this machine. Several servers (label=URL) are measured
 in turns, round after round, so that they see the same machine load.
 
-    python -m pipelines.benchmarks.load --url plain=http://127.0.0.1:8000/plain \\
+    python -m pipelines.bench load --url plain=http://127.0.0.1:8000/plain \\
         --url oracle=http://127.0.0.1:8000/oracle [--clients 32] [--requests 64] [--max-tokens 32]
 """
 
@@ -102,8 +102,8 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", action="append", required=True, help="label=URL of a server (repeatable)")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64, help="requests per server and round")
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="measure every server this many times, in turns")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     servers = dict(item.split("=", 1) if "=" in item else (item, item) for item in args.url)
     for url in servers.values():
@@ -141,6 +141,3 @@ def main() -> None:
         for error in r.errors[:5]:
             print(f"error ({label}): {error}")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The training pipeline's benchmark: feature-producer vs trainer throughput, the trainers' data wait,
 and the disk an offline feature cache would have needed against what the run wrote.
 
-    python -m pipelines.benchmarks.pipeline [--config FILE] [key=value ...]
+    python -m pipelines.bench pipeline [--config FILE] [key=value ...]
 
 Runs pipelines/train.py's job (the embedded default unless told otherwise) under a fresh run name,
 then prints the figures as markdown for docs/benchmarks.md.
@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 import time
 
 import torch
 from pyarrow import fs
 
 from domino.errors import DominoError
-from pipelines.config import PipelineConfig, command_line, parse_args
-from pipelines.features import DTYPES
+from pipelines.training.config import PipelineConfig, command_line, parse_args
+from pipelines.training.features import DTYPES
 from pipelines.train import run
 
 
@@ -82,9 +81,6 @@ def benchmark(argv: list[str]) -> None:
     print(report(cfg, outcome, time.perf_counter() - start))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     return command_line(__doc__, argv, benchmark)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

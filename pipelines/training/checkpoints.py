@@ -26,7 +26,7 @@ from pyarrow import fs
 from domino.config import DrafterConfig
 from domino.drafter import Drafter
 from domino.errors import DominoError
-from pipelines.config import PipelineConfig
+from pipelines.training.config import PipelineConfig
 
 DEEPSPEED_TAG = "deepspeed"
 STATE_NAME = "state.json"

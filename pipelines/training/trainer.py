@@ -20,17 +20,16 @@ import torch.distributed as dist
 from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-from transformers import get_cosine_schedule_with_warmup
 
 from domino.config import DrafterConfig
 from domino.drafter import Drafter
 from domino.errors import DominoError
-from domino.objective import DraftingObjective, ObjectiveConfig
+from domino.objective import DraftingObjective, ObjectiveConfig, expected_accept_length
 from domino.target import Target
-from domino.training import TrainConfig, train
-from pipelines import checkpoints
-from pipelines.config import PipelineConfig
-from pipelines.features import from_numpy, torch_threads
+from domino.training import TrainConfig, cosine_schedule, train
+from pipelines.training import checkpoints
+from pipelines.training.config import PipelineConfig
+from pipelines.training.features import from_numpy, torch_threads
 
 
 def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
@@ -42,9 +41,10 @@ def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
 
 def train_config(cfg: PipelineConfig) -> TrainConfig:
     return TrainConfig(steps=cfg.steps, lr=cfg.lr, warmup_fraction=cfg.warmup_fraction, weight_decay=cfg.weight_decay,
-                       grad_clip=cfg.grad_clip, seed=cfg.seed, objective=ObjectiveConfig(
-                           anchors_per_sequence=cfg.anchors_per_sequence, curriculum_fraction=cfg.curriculum_fraction,
-                           distill=cfg.distill))
+                       grad_clip=cfg.grad_clip, objective=ObjectiveConfig(
+                           anchors_per_sequence=cfg.anchors_per_sequence, decay=cfg.decay,
+                           curriculum_fraction=cfg.curriculum_fraction, distill=cfg.distill,
+                           confidence_weight=cfg.confidence_weight))
 
 
 class PadCollate(NumpyBatchCollateFn):
@@ -167,7 +167,7 @@ class Progress:
 
         metrics = {
             "step": step, "loss": float(every["loss"].mean()), "accuracy": [round(float(a), 4) for a in accuracy],
-            "tau_estimate": 1.0 + float(torch.cumprod(accuracy, 0).sum()),
+            "tau_estimate": expected_accept_length(accuracy),
             "train_tokens_per_s": rate(every["tokens"], every["elapsed"].max()),
             "feature_tokens_per_s": rate(every["tokens"], every["target_s"].sum()),
             "data_wait": [round(float(w / max(float(e), 1e-9)), 4) for w, e in zip(every["wait"], every["elapsed"])],
@@ -223,7 +223,7 @@ def train_worker(config: dict) -> None:
     engine, *_ = deepspeed.initialize(
         model=objective, model_parameters=[p for p in objective.parameters() if p.requires_grad],
         config=config["deepspeed"],
-        lr_scheduler=lambda optimizer: get_cosine_schedule_with_warmup(optimizer, int(tc.warmup_fraction * tc.steps), tc.steps))
+        lr_scheduler=lambda optimizer: cosine_schedule(optimizer, tc))
     start_step = checkpoints.restore(engine)
     if rank == 0:
         print(f"[train] {world} worker(s), {sum(p.numel() for p in objective.parameters())/1e6:.2f} M drafter parameters, "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.benchmarking.methods import Output
+from pipelines.benchmarks.methods import Output
 
 BASELINE = "autoregressive"
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from domino.config import HEAD_KINDS
 from domino.errors import DominoError
-from pipelines.errors import exit_status
+from pipelines.training.errors import exit_status
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED_DATA = "sharegpt"
@@ -81,11 +81,13 @@ class PipelineConfig(BaseModel):
     warmup_fraction: float = Field(0.04, ge=0, lt=1, description="fraction of steps warming up the learning rate")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="gradient norm clipping (0: off)")
-    seed: int = Field(0)
+    seed: int = Field(0, description="seeds the drafter's initial weights, the anchors drawn and the replay order")
     anchors_per_sequence: int = Field(64, ge=1, description="blocks drawn from each sequence per step")
     replay: int = Field(2, ge=1, description="steps per streamed batch: the extra ones replay batches kept in memory (features cost far more than a step)")
     replay_memory: int = Field(512, ge=1, description="streamed batches each worker keeps in memory for replay")
     curriculum_fraction: float = Field(0.5, ge=0, le=1, description="base-anchored curriculum: share of steps over which lambda falls to 0")
+    decay: float | None = Field(None, gt=0, description="position-weight decay of the loss, w_k = exp(-k / decay) (null: the published value for the block size)")
+    confidence_weight: float = Field(1.0, ge=0, description="weight of the confidence head's loss")
     deepspeed_config: str = Field("cluster/deepspeed/zero2.json", description="DeepSpeed JSON (relative paths: from the repository root)")
     log_every: int = Field(20, ge=1, description="steps between progress lines")
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (a multiple of log_every)")

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from domino.target import Target
-from pipelines.config import PipelineConfig
+from pipelines.training.config import PipelineConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

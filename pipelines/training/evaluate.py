@@ -16,7 +16,7 @@ from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.sampling import SamplingParams
 from domino.target import Target
-from pipelines.config import PipelineConfig
+from pipelines.training.config import PipelineConfig
 
 
 def measure_tau(target_path: str, drafter_uri: str | None, config: DrafterConfig, prompts: list[str],

@@ -25,12 +25,6 @@ from domino.drafter import ContextCache
 class BatchCaches:
     def __init__(self, target: DynamicCache, context: ContextCache | None, valid: torch.Tensor):
         self.target, self.context, self.valid = target, context, valid
-        if context is not None:
-            context.valid = valid
-
-    @property
-    def rows(self) -> int:
-        return self.valid.shape[0]
 
     @property
     def positions(self) -> torch.Tensor:
@@ -52,7 +46,6 @@ class BatchCaches:
             rest = tensors[2 * layers:]
             half = len(rest) // 2
             self.context.keys, self.context.values = rest[:half], rest[half:]
-            self.context.valid = valid
         self.valid = valid
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], valid: torch.Tensor) -> None:
@@ -75,8 +68,6 @@ class BatchCaches:
                 self.context.staged[-1] = (features[:, :-drop], positions[:, :-drop])
             kept = kept[:, :-drop]
         self.valid = torch.cat([self.valid, kept], dim=1)
-        if self.context is not None:
-            self.context.valid = self.valid
 
     def catch_up(self) -> None:
         """Bring the drafter's staged features into its cache, so both caches cover every slot."""

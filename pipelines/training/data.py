@@ -26,8 +26,8 @@ from ray.data.expressions import col
 
 from domino.errors import DominoError
 from domino.vocabulary import count_tokens
-from pipelines.config import EMBEDDED_DATA, PipelineConfig
-from pipelines.errors import root_cause
+from pipelines.training.config import EMBEDDED_DATA, PipelineConfig
+from pipelines.training.errors import root_cause
 
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)

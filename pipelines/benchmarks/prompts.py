@@ -52,7 +52,7 @@ def gsm(limit: int) -> list[list[str]]:
 def sharegpt(limit: int) -> list[list[str]]:
     """First user turns of ShareGPT conversations taken from the end of the file: the training
     pipeline reads from the start, so these are held out."""
-    from pipelines.data import embedded_sharegpt_tail
+    from pipelines.training.data import embedded_sharegpt_tail
 
     return [[turn] for turn in embedded_sharegpt_tail(limit)]
 

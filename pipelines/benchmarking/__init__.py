@@ -1,1 +1,0 @@
-"""The benchmark harness behind `python -m pipelines.bench`: prompt sets, methods, reports."""

@@ -1,0 +1,136 @@
+"""Decoding methods side by side on real prompt sets (`python -m pipelines.bench run` and `ablation`).
+
+    python -m pipelines.bench run --datasets humaneval mt-bench gsm --methods autoregressive hf-generate \\
+        prompt-lookup oracle domino=$HOME/domino-runs/smollm2-sharegpt/step_000400/drafter --prompts 10 --max-new-tokens 128 --out results/bench
+
+Every method sees the same target, prompts and limits in one run (greedy); speedups are against plain
+autoregressive decoding from the same run, and "lossless" says whether a method's outputs equal it.
+Writes results.json, results.md and two plots (acceptance by position, speedup per dataset).
+
+`ablation` first trains, through the training pipeline, one drafter per variant of Domino's ablation
+(heads none, markov, rnn, domino, and domino without the base-anchored curriculum) on the same data
+and budget, then benchmarks them together. `--train key=value ...` sets that budget with the
+pipeline's own config keys (python pipelines/train.py --help), e.g. --train steps=120.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from domino.errors import DominoError
+from domino.target import DEFAULT_TARGET, Target
+from pipelines.benchmarks.methods import BUILTIN, Method, make_method
+from pipelines.benchmarks.prompts import EMBEDDED, PromptSet, load_prompt_set
+from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, markdown, write
+
+
+def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m pipelines.bench {'ablation' if ablation else 'run'}",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench", "gsm"],
+                        help=f"embedded sets ({', '.join(EMBEDDED)}) or turns-JSONL files")
+    parser.add_argument("--methods", nargs="+", default=["autoregressive", "hf-generate", "prompt-lookup", "oracle"],
+                        help=f"{', '.join(BUILTIN)}, or drafter checkpoints as PATH or NAME=PATH")
+    parser.add_argument("--prompts", type=int, default=10, help="conversations per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
+    parser.add_argument("--block-size", type=int, default=16, help="for the oracle")
+    parser.add_argument("--verify", choices=["full", "threshold", "confidence"], default="full",
+                        help="how many of its drafts a drafter's round verifies (threshold and confidence need "
+                             "a confidence head; confidence profiles the target's steps per second first)")
+    parser.add_argument("--out", default="results/bench", help="output folder")
+    if ablation:
+        parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
+                            help="training-pipeline config for the ablation (same for every variant)")
+    args = parser.parse_args(argv)
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        parser.error("--prompts and --max-new-tokens must be positive")
+    return args
+
+
+# Domino's ablation: the same backbone, data and budget; only the head (and the curriculum) differ.
+ABLATION = {
+    "head-none": {"head": "none"},
+    "head-markov": {"head": "markov"},
+    "head-rnn": {"head": "rnn"},
+    "head-domino": {"head": "domino"},
+    "domino-no-curriculum": {"head": "domino", "curriculum_fraction": 0.0},
+}
+
+
+def train_ablation(train_args: list[str]) -> list[str]:
+    """Train every ablation variant with the pipeline; return their drafters as NAME=PATH method specs."""
+    from pipelines.training import checkpoints
+    from pipelines.training.config import build_config, parse_args
+    from pipelines.train import run
+
+    base = parse_args(train_args).model_dump(exclude_unset=True)
+    specs = []
+    for name, overrides in ABLATION.items():
+        cfg = build_config({**base, **overrides, "run_name": f"{base.get('run_name', 'ablation')}-{name}",
+                            "eval_prompts": 0})
+        print(f"[ablation] training {name}: {overrides}", flush=True)
+        run(cfg)
+        uri = checkpoints.latest(cfg).drafter_uri
+        if "://" in uri:
+            raise DominoError(f"the ablation benchmarks drafters from local storage; {uri} is remote")
+        specs.append(f"{name}={uri}")
+    return specs
+
+
+def run_conversation(method: Method, turns: list[str], max_new_tokens: int) -> list:
+    """Each user turn in order, with the method's own answers fed back as assistant turns."""
+    target, messages, outputs = method.target, [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        output = method.generate(target.encode_prompt(messages), max_new_tokens)
+        outputs.append(output)
+        messages.append({"role": "assistant", "content": target.tokenizer.decode(output.tokens, skip_special_tokens=True)})
+    return outputs
+
+
+def benchmark(target: Target, methods: list[Method], prompt_sets: list[PromptSet], max_new_tokens: int) -> list[Row]:
+    rows: dict[tuple[str, str], Row] = {}
+    outputs: dict[tuple[str, str], list[list[int]]] = {}
+    warm_up = target.encode_prompt("Hello!")
+    for method in methods:  # first calls pay one-off costs (allocations, lazy imports): not timed
+        method.generate(warm_up, 4)
+    total = sum(len(ps.conversations) for ps in prompt_sets) * len(methods)
+    with tqdm(total=total, desc="bench", dynamic_ncols=True) as bar:
+        for prompt_set in prompt_sets:
+            for turns in prompt_set.conversations:
+                for method in methods:  # alternate methods prompt by prompt: they see the same machine load
+                    key = (method.name, prompt_set.name)
+                    row = rows.setdefault(key, Row(method.name, prompt_set.name))
+                    for output in run_conversation(method, turns, max_new_tokens):
+                        row.add(output)
+                        outputs.setdefault(key, []).append(output.tokens)
+                    bar.update()
+    compare_with_baseline(rows, outputs)
+    return list(rows.values())
+
+
+def main(argv: list[str], ablation: bool = False) -> int:
+    """`run` (ablation False) or `ablation`: benchmark, then write and print the report."""
+    args = parse_args(argv, ablation)
+    try:
+        prompt_sets = [load_prompt_set(spec, args.prompts) for spec in args.datasets]
+        drafters = train_ablation(args.train) if ablation else []
+        target = Target.load(args.target)
+        specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
+        methods = [make_method(spec, target, args.block_size, args.verify) for spec in specs]
+    except DominoError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    rows = benchmark(target, methods, prompt_sets, args.max_new_tokens)
+    command = f"python -m pipelines.bench {'ablation' if ablation else 'run'} " + shlex.join(argv)
+    files = write(rows, Path(args.out), command)
+    print(markdown(rows))
+    print("\nwrote " + ", ".join(str(p) for p in files.values()))
+    return 0
+
