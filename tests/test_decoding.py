@@ -149,6 +149,21 @@ def test_drafter_for_another_target_is_refused(target):
         SpeculativeDecoder(target, tiny_drafter(tiny_target(hidden_size=32)))
 
 
+def test_a_block_size_the_drafter_does_not_have_is_refused(target):
+    drafter = tiny_drafter(target, block_size=4)
+    assert SpeculativeDecoder(target, drafter, block_size=4).engine.block_size == drafter.config.num_drafts
+    with pytest.raises(DominoError, match="the drafter drafts blocks of 4 tokens, not 8"):
+        SpeculativeDecoder(target, drafter, block_size=8)
+
+
+def test_a_decoder_left_mid_generation_starts_the_next_one_clean(target):
+    decoder = SpeculativeDecoder(target, "oracle", block_size=4)
+    config = GenerationConfig(max_new_tokens=12, stop_token_ids=[])
+    alone = decoder.generate([5, 6, 7], config).tokens
+    next(iter(decoder.start([1, 2, 3], config)))  # the caller stops iterating after one round
+    assert decoder.generate([5, 6, 7], config).tokens == alone
+
+
 def test_stop_strings_give_the_same_tokens_speculative_or_plain(embedded_target):
     """A round commits several tokens at once; those after the one that completed the stop string are
     dropped, so tokens and their count are what plain decoding (one token a round) gives."""

@@ -14,7 +14,7 @@ from domino.embedded import cache_dir
 from pipelines.training.config import PipelineConfig, parse_args
 from pipelines.training.data import TOO_LONG, MalformedRow, embedded_sharegpt, list_files, to_messages, tokenize_batch
 from pipelines.training.features import from_numpy, to_numpy
-from pipelines.training.trainer import Feed, PadCollate
+from pipelines.training.trainer import Feed, PadCollate, train_config
 from pipeline_helpers import conversation, write_jsonl
 
 
@@ -34,6 +34,8 @@ def test_config_defaults_overrides_and_files(tmp_path):
     ds = cfg.deepspeed()
     assert ds["zero_optimization"]["stage"] == 2 and ds["train_micro_batch_size_per_gpu"] == cfg.batch_size
     assert ds["optimizer"]["params"]["lr"] == 1e-3 and ds["optimizer"]["params"]["torch_adam"] is True
+    objective = train_config(parse_args(["decay=3.5", "confidence_weight=0.25"])).objective
+    assert (objective.decay, objective.confidence_weight) == (3.5, 0.25)
 
 
 @pytest.mark.parametrize("args, message", [

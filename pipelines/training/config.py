@@ -21,7 +21,7 @@ from domino.config import HEAD_KINDS
 from domino.errors import DominoError
 from pipelines.training.errors import exit_status
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_DATA = "sharegpt"
 
 
