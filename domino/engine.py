@@ -197,7 +197,8 @@ class DecodingEngine:
         q = draft.probs[sampled, :m] if m else logits.new_zeros(int(sampled.sum()), 0, logits.shape[-1])
         accepted[sampled], following[sampled] = speculative_accept(
             drafts[sampled], q, sampling.probabilities(logits)[sampled],
-            sampling.uniforms(ACCEPT, m, logits.device)[sampled], sampling.uniforms(TARGET, m + 1, logits.device)[sampled],
+            sampling.uniforms(ACCEPT, range(m), logits.device)[sampled],
+            sampling.uniforms(TARGET, range(m + 1), logits.device)[sampled],
             lengths[sampled])
         return accepted, following
 

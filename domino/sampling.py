@@ -135,10 +135,10 @@ class RowSampling:
                 probs[rows] = probabilities(logits[rows], params)
         return probs
 
-    def uniforms(self, purpose: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """(n, count): each row's uniforms for `purpose` at offsets 0..count-1 of its round (0.5 for
+    def uniforms(self, purpose: int, offsets: range, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(n, len(offsets)): each row's uniforms for `purpose` at those offsets of its round (0.5 for
         greedy rows, which draw nothing)."""
-        return torch.tensor([[uniform(seed, start, k, purpose) if seed is not None else 0.5 for k in range(count)]
+        return torch.tensor([[uniform(seed, start, k, purpose) if seed is not None else 0.5 for k in offsets]
                              for seed, start in zip(self.seeds, self.start)], dtype=torch.float64, device=device)
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -159,6 +159,6 @@ class RowSampling:
             return tokens, None
         probs = self.probabilities(logits)
         sampled = ~self.greedy.to(logits.device)
-        u = self.uniforms(purpose, offset + 1, logits.device)[:, offset]
+        u = self.uniforms(purpose, range(offset, offset + 1), logits.device)[:, 0]
         tokens[sampled] = draw(probs[sampled], u[sampled])
         return tokens, probs
