@@ -34,7 +34,7 @@ def test_concurrent_requests_get_their_own_outputs(decoder):
     expected = [decoder.generate(p, config(12 + 5 * i)).tokens for i, p in enumerate(prompts)]
 
     async def main():
-        runner = EngineRunner(DecodingEngine(decoder.target, decoder.drafter))
+        runner = EngineRunner(DecodingEngine(decoder.engine.target, decoder.engine.drafter))
 
         async def one(i: int) -> list[int]:
             stream = await runner.submit(prompts[i], config(12 + 5 * i))
@@ -53,7 +53,7 @@ def test_concurrent_requests_get_their_own_outputs(decoder):
 
 def test_bad_input_is_refused_at_submit_and_the_runner_goes_on(decoder):
     async def main():
-        runner = EngineRunner(DecodingEngine(decoder.target, decoder.drafter))
+        runner = EngineRunner(DecodingEngine(decoder.engine.target, decoder.engine.drafter))
         try:
             with pytest.raises(DominoError, match="prompt is empty"):
                 await runner.submit([], config(4))
@@ -68,7 +68,7 @@ def test_bad_input_is_refused_at_submit_and_the_runner_goes_on(decoder):
 
 def test_leaving_the_stream_early_cancels_the_generation(decoder):
     async def main():
-        runner = EngineRunner(DecodingEngine(decoder.target, decoder.drafter))
+        runner = EngineRunner(DecodingEngine(decoder.engine.target, decoder.engine.drafter))
         try:
             stream = await runner.submit([1, 2, 3], config(900))
             async for _ in stream:
@@ -84,7 +84,7 @@ class FailingOnce(DecodingEngine):
     """Its first step raises, as a forward that runs out of memory would."""
 
     def __init__(self, decoder):
-        super().__init__(decoder.target, decoder.drafter)
+        super().__init__(decoder.engine.target, decoder.engine.drafter)
         self.failed = False
 
     def step(self):
