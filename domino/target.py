@@ -221,7 +221,9 @@ class Target:
         def keep_final(module, args, output):
             outputs[last] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
-        hooks = [self.decoder_layers[i].register_forward_hook(keep(i)) for i in set(layer_ids) - {last}]
+        inside = set(layer_ids) - {last}  # read from their decoder layers
+        layers = self.decoder_layers if inside else None
+        hooks = [layers[i].register_forward_hook(keep(i)) for i in inside]
         if final_hidden or last in layer_ids:
             hooks.append(self.model.base_model.register_forward_hook(keep_final))
         try:

@@ -9,24 +9,24 @@ from __future__ import annotations
 import importlib
 import sys
 
-# command -> (module under pipelines.benchmarks, what it measures)
+# command -> (module under pipelines.benchmarks, its function taking the command's arguments, what it measures)
 COMMANDS = {
-    "run": ("side_by_side", "decoding methods side by side on prompt sets: tokens/s, tau, lossless"),
-    "ablation": ("side_by_side", "train Domino's head ablation through the pipeline, then `run` its drafters"),
-    "engine": ("engine", "the decoding loop alone: plain, oracle drafts, our engine against a textbook loop"),
-    "batching": ("batching", "continuous batching of concurrent requests against one at a time"),
-    "load": ("load", "concurrent OpenAI clients against live Serve endpoints: latency and errors"),
-    "pipeline": ("pipeline", "the training pipeline's throughput and memory (no feature cache)"),
-    "drafter-costs": ("drafter_costs", "one draft against one target decode step"),
-    "dflash-race": ("dflash_race", "our engine against z-lab's dflash_generate on one DFlash checkpoint"),
-    "learning-curve": ("learning_curve", "held-out tau against training minutes, one variant at a time"),
-    "gpu-check": ("gpu_check", "the pipeline on one GPU with a random Qwen3-shaped target"),
+    "run": ("side_by_side", "run", "decoding methods side by side on prompt sets: tokens/s, tau, lossless"),
+    "ablation": ("side_by_side", "ablation", "train Domino's head ablation with the pipeline, then run its drafters"),
+    "engine": ("engine", "main", "the decoding loop alone: plain, oracle drafts, our engine against a textbook loop"),
+    "batching": ("batching", "main", "continuous batching of concurrent requests against one at a time"),
+    "load": ("load", "main", "concurrent OpenAI clients against live Serve endpoints: latency and errors"),
+    "pipeline": ("pipeline", "main", "the training pipeline's throughput and memory (no feature cache)"),
+    "drafter-costs": ("drafter_costs", "main", "one draft against one target decode step"),
+    "dflash-race": ("dflash_race", "main", "our engine against z-lab's dflash_generate on one DFlash checkpoint"),
+    "learning-curve": ("learning_curve", "main", "held-out tau against training minutes, one variant at a time"),
+    "gpu-check": ("gpu_check", "main", "the pipeline on one GPU with a random Qwen3-shaped target"),
 }
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    lines = [f"  {name:<{width}}  {what}" for name, (_, _, what) in COMMANDS.items()]
     return __doc__ + "\ncommands:\n" + "\n".join(lines)
 
 
@@ -39,10 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"error: unknown benchmark '{command}'\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"pipelines.benchmarks.{COMMANDS[command][0]}")
-    if module.__name__.endswith("side_by_side"):
-        return module.main(rest, ablation=command == "ablation")
-    return module.main(rest) or 0
+    module, function, _ = COMMANDS[command]
+    return getattr(importlib.import_module(f"pipelines.benchmarks.{module}"), function)(rest) or 0
 
 
 if __name__ == "__main__":

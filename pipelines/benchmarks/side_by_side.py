@@ -115,8 +115,16 @@ def benchmark(target: Target, methods: list[Method], prompt_sets: list[PromptSet
     return list(rows.values())
 
 
-def main(argv: list[str], ablation: bool = False) -> int:
-    """`run` (ablation False) or `ablation`: benchmark, then write and print the report."""
+def run(argv: list[str]) -> int:
+    return benchmark_command(argv, ablation=False)
+
+
+def ablation(argv: list[str]) -> int:
+    return benchmark_command(argv, ablation=True)
+
+
+def benchmark_command(argv: list[str], ablation: bool) -> int:
+    """`run` or `ablation`: (train,) benchmark, then write and print the report."""
     args = parse_args(argv, ablation)
     try:
         prompt_sets = [load_prompt_set(spec, args.prompts) for spec in args.datasets]
