@@ -6,10 +6,13 @@ anchor a opens a block [x_a, MASK, ...] at positions a..a+B-1 whose labels are x
 the anchor's slot is not trained and position k predicts x_{a+k}. A block sees the context strictly
 before its anchor and itself, never another block: exactly what it sees at inference.
 
-Loss per block position k (0-based): cross-entropy weighted by w_k = exp(-k / decay), mixed with the
-base logits' cross-entropy by the base-anchored curriculum, optionally DSpark's distillation
-(0.1 CE + 0.9 TV to the target distribution) and the confidence head's BCE. Heads read the
-ground-truth prefix (teacher forcing), so the whole block trains in parallel.
+Loss per block position k (0-based): cross-entropy weighted by w_k = exp(-k / decay), or with
+distillation DSpark's 0.1 CE + 0.9 TV to the target distribution. The base-anchored curriculum mixes
+that loss of the final logits with the same loss of the base logits, (1 - lambda) L(final) +
+lambda L(base), so it holds the head back with or without distillation. The confidence head's BCE
+trains the confidence head alone (its inputs are detached): it estimates survival and never pulls
+the backbone towards being easy to estimate. Heads read the ground-truth prefix (teacher forcing),
+so the whole block trains in parallel.
 """
 
 from __future__ import annotations
@@ -175,26 +178,34 @@ class DraftingObjective(nn.Module):
         def weighted_mean(values: torch.Tensor) -> torch.Tensor:
             return (values * weights).sum() / weights.sum().clamp(min=1e-6)
 
-        ce_final = weighted_mean(F.cross_entropy(final, target_labels, reduction="none", ignore_index=-100))
-        ce = ce_final
-        if drafter.head is not None and curriculum_lambda > 0:
-            ce_base = weighted_mean(F.cross_entropy(base, target_labels, reduction="none", ignore_index=-100))
-            ce = (1 - curriculum_lambda) * ce_final + curriculum_lambda * ce_base
-        metrics = {"ce": ce_final.detach()}
-
-        loss = ce
-        tv = None
+        p_target = None
         if cfg.distill:
             with torch.no_grad():  # the target's own next-token distribution at each block position
                 target_hidden = batch["final_hidden"][packed.rows[trained], packed.positions[trained]]
                 p_target = drafter.on_draft_vocabulary(torch.softmax(drafter.target_logits(target_hidden), dim=-1))
+
+        def drafting_loss(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            """The loss of one set of logits (CE, or DSpark's 0.1 CE + 0.9 TV with distillation), its CE,
+            and its TV per slot."""
+            ce = weighted_mean(F.cross_entropy(logits, target_labels, reduction="none", ignore_index=-100))
+            if p_target is None:
+                return ce, ce, None
             # the target's mass outside a reduced draft vocabulary is distance the drafter cannot close
-            tv = 0.5 * ((torch.softmax(final, dim=-1) - p_target).abs().sum(dim=-1) + (1 - p_target.sum(dim=-1)))
-            loss = 0.1 * ce + 0.9 * weighted_mean(tv)
+            tv = 0.5 * ((torch.softmax(logits, dim=-1) - p_target).abs().sum(dim=-1) + (1 - p_target.sum(dim=-1)))
+            return 0.1 * ce + 0.9 * weighted_mean(tv), ce, tv
+
+        # the base-anchored curriculum mixes the whole drafting loss (CE, or CE + TV), so with distillation
+        # too the head's residual is held back while lambda is high
+        loss, ce, tv = drafting_loss(final)
+        if drafter.head is not None and curriculum_lambda > 0:
+            loss = (1 - curriculum_lambda) * loss + curriculum_lambda * drafting_loss(base)[0]
+        metrics = {"ce": ce.detach()}
+        if tv is not None:
             metrics["tv"] = weighted_mean(tv).detach()
         if drafter.confidence is not None:
+            # an estimator of survival, not a drafting signal: its loss trains the confidence head only
             survival = (1 - tv).detach() if tv is not None else (final.argmax(-1) == target_labels).float()
-            confidence_logits = drafter.confidence(h[trained], prev_embeds[trained])
+            confidence_logits = drafter.confidence(h[trained].detach(), prev_embeds[trained].detach())
             bce = F.binary_cross_entropy_with_logits(confidence_logits, survival)
             loss = loss + cfg.confidence_weight * bce
             metrics["bce"] = bce.detach()

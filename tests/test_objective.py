@@ -109,11 +109,12 @@ def test_anchor_sampling_picks_distinct_trained_positions():
     assert len(set(row0)) == 8 and all(9 <= a <= 18 for a in row0) and row0 == sorted(row0)
 
 
-def test_curriculum_moves_loss_weight_from_base_to_final():
+@pytest.mark.parametrize("distill", [False, True])
+def test_curriculum_moves_loss_weight_from_base_to_final(distill):
     target = tiny_target()
     drafter = tiny_drafter(target, head="domino")
     batch = make_batch(target, drafter, torch.randint(0, 96, (2, 32)))
-    objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=4))
+    objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=4, distill=distill))
     losses = {}
     for lam in (0.0, 1.0):
         objective.generator.manual_seed(0)
@@ -135,3 +136,20 @@ def test_distillation_and_confidence_losses_train_their_parts():
     assert 0 <= out.metrics["tv"] <= 1
     assert drafter.confidence.score.weight.grad.abs().sum() > 0
     assert all(p.grad is not None for p in drafter.parameters())
+
+
+def test_confidence_loss_trains_only_the_confidence_head():
+    """The survival estimate must not pull the backbone: its gradients are the drafting loss's alone."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, head="domino", confidence_head=True)
+    batch = make_batch(target, drafter, torch.randint(0, 96, (2, 32)), response_from=8)
+    grads = {}
+    for weight in (0.0, 100.0):
+        objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=4, confidence_weight=weight))
+        drafter.zero_grad()
+        objective(batch).loss.backward()
+        grads[weight] = {name: p.grad.clone() for name, p in drafter.named_parameters()
+                         if p.grad is not None and not name.startswith("confidence.")}
+    assert grads[0.0].keys() == grads[100.0].keys()
+    for name in grads[0.0]:
+        torch.testing.assert_close(grads[100.0][name], grads[0.0][name], msg=name)
