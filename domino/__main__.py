@@ -32,9 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
     generate.add_argument("--block-size", type=int, default=None,
                           help="draft length for --drafter oracle (default 16); a checkpoint has its own")
-    generate.add_argument("--verify", choices=["full", "threshold"], default="full",
-                          help="verify every draft (default), or stop where the confidence head's estimate that "
-                               "the prefix survives falls below --threshold (drafters with a confidence head)")
+    generate.add_argument("--verify", choices=["full", "gated", "threshold"], default="full",
+                          help="verify every draft (default); 'gated': every draft, but draft only while drafting "
+                               "beats plain decoding (profiles the target first); 'threshold': stop where the "
+                               "confidence head's estimate that the prefix survives falls below --threshold")
     generate.add_argument("--threshold", type=float, default=0.3)
     export = commands.add_parser(
         "export", help="write a drafter in DFlash's or SGLang's Domino checkpoint format",

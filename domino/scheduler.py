@@ -145,15 +145,10 @@ class SpeculationGate:
 
 
 @dataclass
-class ConfidenceScheduler(VerifyPolicy):
-    """DSpark's greedy admission. `padded`: the verify forward runs every row at the batch's longest
-    length, so the cost is rows * (1 + max l); verifying up to that length is then free for every row,
-    and rows are topped up to it. With padded=False the cost is sum_r (1 + l_r), as in a ragged backend.
-    A SpeculationGate skips drafting while it does not pay."""
+class GatedPolicy(VerifyPolicy):
+    """A policy whose rounds draft only while a SpeculationGate finds drafting pays."""
 
     sps: SPSProfile
-    padded: bool = True
-    needs_confidence = True
 
     def __post_init__(self) -> None:
         self.gate = SpeculationGate(self.sps)
@@ -163,6 +158,24 @@ class ConfidenceScheduler(VerifyPolicy):
 
     def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
         self.gate.observe(drafted, rows, committed, seconds)
+
+
+@dataclass
+class GatedFullVerify(GatedPolicy, FullVerify):
+    """Every draft verified, in the rounds the gate lets draft: for drafters without a confidence head.
+    A drafter that loses to plain decoding (a weak one, or any one in a crowded batch) then costs a
+    drafted round now and then instead of every round."""
+
+
+@dataclass
+class ConfidenceScheduler(GatedPolicy):
+    """DSpark's greedy admission. `padded`: the verify forward runs every row at the batch's longest
+    length, so the cost is rows * (1 + max l); verifying up to that length is then free for every row,
+    and rows are topped up to it. With padded=False the cost is sum_r (1 + l_r), as in a ragged backend.
+    A SpeculationGate skips drafting while it does not pay."""
+
+    padded: bool = True
+    needs_confidence = True
 
     def cost(self, lengths: torch.Tensor) -> int:
         if self.padded:
@@ -190,12 +203,17 @@ class ConfidenceScheduler(VerifyPolicy):
         return lengths.to(caps.device)
 
 
+POLICIES = ("full", "gated", "threshold", "confidence")
+
+
 def make_policy(name: str, target=None, threshold: float = 0.3, max_tokens: int = 512):
-    """A verify policy by name: 'full', 'threshold' or 'confidence' (profiles the target's SPS)."""
+    """A verify policy by name (POLICIES); 'gated' and 'confidence' profile the target's SPS."""
     if name == "full":
         return FullVerify()
     if name == "threshold":
         return ThresholdVerify(threshold)
+    if name == "gated":
+        return GatedFullVerify(profile_sps(target, max_tokens=max_tokens))
     if name == "confidence":
         return ConfidenceScheduler(profile_sps(target, max_tokens=max_tokens))
-    raise DominoError(f"unknown verify policy '{name}': choose full, threshold or confidence")
+    raise DominoError(f"unknown verify policy '{name}': choose {', '.join(POLICIES)}")

@@ -66,12 +66,13 @@ class ServeArgs(BaseModel):
     model_name: str | None = Field(None, description="the id clients send as `model` (default: the target)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (torch uses as many threads)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; the model runs on CUDA when > 0")
-    verify: Literal["full", "threshold", "confidence"] = Field(
-        "full", description="how many drafts each request verifies per round: all of them, up to a confidence "
-                            "threshold, or DSpark's confidence scheduling (both need a confidence head)")
+    verify: Literal["full", "gated", "threshold", "confidence"] = Field(
+        "full", description="how many drafts each request verifies per round: all of them; all of them in the "
+                            "rounds where drafting beats plain decoding (gated); up to a confidence threshold; "
+                            "or DSpark's confidence scheduling (the last two need a confidence head)")
     threshold: float = Field(0.3, gt=0, lt=1, description="for verify=threshold")
     max_batch_tokens: int = Field(1024, ge=1, description="largest verify forward the start-up SPS profile "
-                                                          "measures (verify=confidence)")
+                                                          "measures (verify=gated or confidence)")
 
     @property
     def served_name(self) -> str:

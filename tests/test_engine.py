@@ -10,7 +10,7 @@ from domino.engine import DecodingEngine
 from domino.errors import DominoError
 from domino.requests import GenerationConfig
 from domino.sampling import SamplingParams
-from domino.scheduler import ConfidenceScheduler, SPSProfile, ThresholdVerify
+from domino.scheduler import ConfidenceScheduler, GatedFullVerify, SPSProfile, ThresholdVerify
 from helpers import tiny_drafter, tiny_target
 from test_decoding import NoisyOracle, hf_greedy, random_prompts
 
@@ -223,11 +223,12 @@ def test_gate_stops_drafting_while_it_loses_and_retries_later():
     assert gate.calibration == pytest.approx(0.75)
 
 
-def test_gated_engine_stays_exact(target):
+@pytest.mark.parametrize("gated", [ConfidenceScheduler, GatedFullVerify])
+def test_gated_engine_stays_exact(target, gated):
     """With the gate closing and opening, outputs stay the target's greedy outputs; while it is shut
     the drafter's features wait unprojected through rows leaving and joining."""
-    policy = ConfidenceScheduler(SPSProfile(tokens=[1, 1000], seconds=[1e-4, 1e-4 + 999 * 1e-7]))
-    drafter = tiny_drafter(target, head="domino", confidence_head=True, block_size=4).double()
+    policy = gated(SPSProfile(tokens=[1, 1000], seconds=[1e-4, 1e-4 + 999 * 1e-7]))
+    drafter = tiny_drafter(target, head="domino", confidence_head=gated is ConfidenceScheduler, block_size=4).double()
     engine = DecodingEngine(target, drafter, policy=policy)
     prompts = list(random_prompts(4, seed=9))
     budgets = [30, 12, 22, 16]

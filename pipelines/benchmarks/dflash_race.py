@@ -5,9 +5,12 @@ Batch 1: the two loops alternate prompt by prompt (who goes first alternates too
 same machine load; each prompt's time is wall time from the prompt's ids to its last token, prefill
 included. tau is tokens per verify forward. Then our engine serves 8 and 32 concurrent requests
 (the same prompts, cycled) against the reference loop serving them one request after another, which
-is its batch-1 rate: its loop takes one request at a time.
+is its batch-1 rate: its loop takes one request at a time. Concurrent rounds run under each verify
+policy of `--policies`: `full` verifies every draft, as the reference does; `gated` also stops
+drafting while drafted rounds lose to plain ones (which a random drafter's always do).
 
     python -m pipelines.bench dflash-race --drafter DIR [--max-new-tokens 32] [--concurrency 8 32]
+        [--policies full gated]
     python -m pipelines.bench dflash-race --make-random DIR   # then run with --drafter DIR
 
 `--make-random` writes a random 1-layer, block-8 drafter for the target in DFlash's format (through our
@@ -31,6 +34,7 @@ from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.formats import export
 from domino.requests import GenerationConfig
+from domino.scheduler import make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks.engine import PROMPTS
 
@@ -79,6 +83,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="batch-1 prompts (at most 6)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
+    parser.add_argument("--policies", nargs="+", choices=["full", "gated"], default=["full", "gated"],
+                        help="verify policies of our engine for the concurrent runs")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 on a shared machine")
     args = parser.parse_args(argv)
     if args.threads:
@@ -124,14 +130,16 @@ def main(argv: list[str]) -> None:
               f"{rate[name] / rate['reference']:.2f}x | {t['committed'] / max(1, t['rounds']):.2f} | {same} |")
 
     if args.concurrency:
-        print("\n| concurrent requests | our total tokens/s | reference, one after another | ratio | tau "
-              "| outputs = batch 1 |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("\n| concurrent requests | our policy | our total tokens/s | reference, one after another | ratio "
+              "| tau | outputs = batch 1 |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for n in args.concurrency:
             batch = list(islice(cycle(prompts), n))
-            run = ours(DecodingEngine(target, drafter), batch, args.max_new_tokens)
-            total = sum(len(o) for o in run["outputs"]) / run["seconds"]
-            equal = all(out == alone[tuple(ids)] for ids, out in zip(batch, run["outputs"]))
-            print(f"| {n} | {total:.2f} | {rate['reference']:.2f} | {total / rate['reference']:.2f}x | "
-                  f"{run['committed'] / max(1, run['rounds']):.2f} | {equal} |")
+            for policy in args.policies:
+                engine = DecodingEngine(target, drafter, policy=make_policy(policy, target))
+                run = ours(engine, batch, args.max_new_tokens)
+                total = sum(len(o) for o in run["outputs"]) / run["seconds"]
+                equal = all(out == alone[tuple(ids)] for ids, out in zip(batch, run["outputs"]))
+                print(f"| {n} | {policy} | {total:.2f} | {rate['reference']:.2f} | {total / rate['reference']:.2f}x | "
+                      f"{run['committed'] / max(1, run['rounds']):.2f} | {equal} |", flush=True)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from domino.errors import DominoError
+from domino.scheduler import POLICIES
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks.methods import BUILTIN, Method, make_method
 from pipelines.benchmarks.prompts import EMBEDDED, PromptSet, load_prompt_set
@@ -40,9 +41,10 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=10, help="conversations per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
     parser.add_argument("--block-size", type=int, default=16, help="for the oracle")
-    parser.add_argument("--verify", choices=["full", "threshold", "confidence"], default="full",
+    parser.add_argument("--verify", choices=POLICIES, default="full",
                         help="how many of its drafts a drafter's round verifies (threshold and confidence need "
-                             "a confidence head; confidence profiles the target's steps per second first)")
+                             "a confidence head; gated and confidence profile the target's steps per second "
+                             "first and draft only while drafting pays)")
     parser.add_argument("--out", default="results/bench", help="output folder")
     if ablation:
         parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
