@@ -67,6 +67,8 @@ VARIANTS = {v.name: v for v in [
     dataclasses.replace(BASE, name="layers-20-28", layer_ids=(20, 28)),
     dataclasses.replace(BASE, name="domino", head="domino"),
     dataclasses.replace(BASE, name="domino-no-curriculum", head="domino", curriculum_fraction=0.0),
+    dataclasses.replace(BASE, name="markov", head="markov"),
+    dataclasses.replace(BASE, name="rnn", head="rnn"),
     dataclasses.replace(BASE, name="distill", distill=True, labels="data"),
     dataclasses.replace(BASE, name="lr-6e-4", lr=6e-4),
     dataclasses.replace(BASE, name="block-16", block_size=16),
@@ -172,15 +174,18 @@ class HeldOut:
         return self.features[key]
 
 
-def held_out_tau(drafter: Drafter, held_out: HeldOut) -> float:
-    """Mean 1 + accepted length over every answer position of the held-out target-written answers."""
+def held_out_acceptance(drafter: Drafter, held_out: HeldOut) -> tuple[float, list[float]]:
+    """Over every answer position of the held-out target-written answers: tau (mean 1 + accepted
+    length) and the share of rounds that accept at least k drafts, k = 1..B (acceptance by position)."""
     drafter.eval()
     accepted = []
     for (ids, answer_start), features in zip(held_out.texts, held_out.of_layers(drafter.config.target_layer_ids)):
         anchors = torch.arange(answer_start, ids.shape[0] - 1)
         accepted.append(greedy_accepted(drafter, features, ids, anchors))
     drafter.train()
-    return 1.0 + float(torch.cat(accepted).float().mean())
+    accepted = torch.cat(accepted)
+    by_position = [float((accepted >= k).float().mean()) for k in range(1, drafter.config.num_drafts + 1)]
+    return 1.0 + float(accepted.float().mean()), by_position
 
 
 def train_variant(variant: Variant, target: Target, store: FeatureStore, counts: np.ndarray,
@@ -209,10 +214,10 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
         tokens += int(batch["lengths"].sum())
         window.add(out.metrics)
         if (step + 1) % every == 0 or step + 1 == steps:
-            tau = held_out_tau(drafter, held_out)
+            tau, by_position = held_out_acceptance(drafter, held_out)
             train_tau = window.summary()["tau"]
             window.reset()
-            curve.points.append({"step": step + 1, "minutes": spent / 60, "tokens": tokens, "tau": tau,
+            curve.points.append({"step": step + 1, "minutes": spent / 60, "tokens": tokens, "tau": tau, "acceptance": by_position,
                                  "train_tau": train_tau})
             print(f"  {variant.name}: step {step + 1}/{steps}  {spent / 60:.1f} min  {tokens} tokens  "
                   f"held-out tau {tau:.3f}  (training, teacher-forced {train_tau:.3f})", flush=True)
@@ -220,19 +225,26 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
 
 
 def plot(curves: list[Curve], path: Path) -> None:
-    """Held-out tau against steps (the same for every variant) and against measured cost."""
+    """Held-out tau against steps (the same for every variant) and against measured cost, and each
+    variant's final acceptance by block position (the suffix decay the heads are meant to cure)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (by_step, by_cost) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    figure, (by_step, by_cost, by_position) = plt.subplots(1, 3, figsize=(17, 5))
     for curve in curves:
         for axis, key in ((by_step, "step"), (by_cost, "minutes")):
             axis.plot([p[key] for p in curve.points], [p["tau"] for p in curve.points], marker="o", label=curve.variant.name)
+        acceptance = curve.points[-1]["acceptance"]
+        by_position.plot(range(1, len(acceptance) + 1), acceptance, marker="o", label=curve.variant.name)
     by_step.set_xlabel("drafter steps (2 sequences each)")
     by_cost.set_xlabel("cost on one core, minutes (target features + regeneration + drafter steps)")
     by_step.set_ylabel("held-out tau (greedy acceptance at every answer position)")
-    for axis in (by_step, by_cost):
+    by_cost.sharey(by_step)
+    by_position.set_xlabel("block position k (after the last measurement)")
+    by_position.set_ylabel("share of rounds accepting at least k drafts")
+    by_position.set_yscale("log")
+    for axis in (by_step, by_cost, by_position):
         axis.grid(alpha=0.3)
     by_step.legend(fontsize=8)
     figure.tight_layout()
@@ -282,14 +294,14 @@ def main(argv: list[str]) -> None:
         curves.append(train_variant(variant, target, stores[key], counts, held_out, args.steps, args.batch_size,
                                     args.evaluations))
 
-    print("\n| variant | changes | minutes | tokens | held-out tau | training tau |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| variant | changes | minutes | tokens | held-out tau | held-out acceptance @1..4 | training tau |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for curve in curves:
         last = curve.points[-1]
         changed = {k: v for k, v in dataclasses.asdict(curve.variant).items()
                    if k != "name" and v != getattr(BASE, k)}
         print(f"| {curve.variant.name} | {changed or '-'} | {last['minutes']:.1f} | {last['tokens']} | "
-              f"{last['tau']:.3f} | {last['train_tau']:.3f} |")
+              f"{last['tau']:.3f} | {' '.join(f'{a:.2f}' for a in last['acceptance'][:4])} | {last['train_tau']:.3f} |")
     if args.out:
         plot(curves, args.out)
         print(f"\nplot: {args.out}")
