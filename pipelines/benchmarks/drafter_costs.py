@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
 
     timings = {"target decode step (1 token)": median_seconds(lambda: target_step(one), args.repeats),
                f"target verify ({args.block_size + 1} tokens)": median_seconds(lambda: target_step(block), args.repeats)}
-    for head in ("none", "domino"):
+    for head in dict.fromkeys(("none", default.head, "domino")):  # the default head, and the two it is weighed against
         for vocab in args.draft_vocab:
             name = f"draft one block of {args.block_size}: head {head}, " + (f"draft vocabulary {vocab}" if vocab else "whole vocabulary")
             timings[name] = draft_seconds(head, vocab)
