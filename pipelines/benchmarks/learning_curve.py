@@ -68,6 +68,7 @@ VARIANTS = {v.name: v for v in [
     dataclasses.replace(BASE, name="domino", head="domino"),
     dataclasses.replace(BASE, name="domino-no-curriculum", head="domino", curriculum_fraction=0.0),
     dataclasses.replace(BASE, name="markov", head="markov"),
+    dataclasses.replace(BASE, name="markov-no-curriculum", head="markov", curriculum_fraction=0.0),
     dataclasses.replace(BASE, name="rnn", head="rnn"),
     dataclasses.replace(BASE, name="distill", distill=True, labels="data"),
     dataclasses.replace(BASE, name="lr-6e-4", lr=6e-4),
