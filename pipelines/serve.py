@@ -42,7 +42,7 @@ from domino.engine import Event
 from domino.errors import DominoError
 from domino.requests import GenerationResult
 from domino.sampling import choice_seed
-from domino.scheduler import make_policy
+from domino.scheduler import POLICIES, make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.metrics import ReplicaMetrics
 from pipelines.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse,
@@ -66,7 +66,7 @@ class ServeArgs(BaseModel):
     model_name: str | None = Field(None, description="the id clients send as `model` (default: the target)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (torch uses as many threads)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; the model runs on CUDA when > 0")
-    verify: Literal["full", "gated", "threshold", "confidence"] = Field(
+    verify: Literal[POLICIES] = Field(
         "full", description="how many drafts each request verifies per round: all of them; all of them in the "
                             "rounds where drafting beats plain decoding (gated); up to a confidence threshold; "
                             "or DSpark's confidence scheduling (the last two need a confidence head)")

@@ -34,7 +34,7 @@ from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.formats import export
 from domino.requests import GenerationConfig
-from domino.scheduler import make_policy
+from domino.scheduler import FullVerify, GatedFullVerify, profile_sps
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks.engine import PROMPTS
 
@@ -133,10 +133,12 @@ def main(argv: list[str]) -> None:
         print("\n| concurrent requests | our policy | our total tokens/s | reference, one after another | ratio "
               "| tau | outputs = batch 1 |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
+        sps = profile_sps(target) if "gated" in args.policies else None  # measured once, each run gets a fresh gate
+        policies = {"full": FullVerify, "gated": lambda: GatedFullVerify(sps)}
         for n in args.concurrency:
             batch = list(islice(cycle(prompts), n))
             for policy in args.policies:
-                engine = DecodingEngine(target, drafter, policy=make_policy(policy, target))
+                engine = DecodingEngine(target, drafter, policy=policies[policy]())
                 run = ours(engine, batch, args.max_new_tokens)
                 total = sum(len(o) for o in run["outputs"]) / run["seconds"]
                 equal = all(out == alone[tuple(ids)] for ids, out in zip(batch, run["outputs"]))

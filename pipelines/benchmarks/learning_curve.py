@@ -218,8 +218,8 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
             tau, by_position = held_out_acceptance(drafter, held_out)
             train_tau = window.summary()["tau"]
             window.reset()
-            curve.points.append({"step": step + 1, "minutes": spent / 60, "tokens": tokens, "tau": tau, "acceptance": by_position,
-                                 "train_tau": train_tau})
+            curve.points.append({"step": step + 1, "minutes": spent / 60, "tokens": tokens, "tau": tau,
+                                 "acceptance": by_position, "train_tau": train_tau})
             print(f"  {variant.name}: step {step + 1}/{steps}  {spent / 60:.1f} min  {tokens} tokens  "
                   f"held-out tau {tau:.3f}  (training, teacher-forced {train_tau:.3f})", flush=True)
     return curve
@@ -244,7 +244,6 @@ def plot(curves: list[Curve], path: Path) -> None:
     by_cost.sharey(by_step)
     by_position.set_xlabel("block position k (after the last measurement)")
     by_position.set_ylabel("share of rounds accepting at least k drafts")
-    by_position.set_yscale("log")
     for axis in (by_step, by_cost, by_position):
         axis.grid(alpha=0.3)
     by_step.legend(fontsize=8)
