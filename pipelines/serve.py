@@ -1,10 +1,12 @@
 """OpenAI-compatible serving of lossless speculative decoding on Ray Serve.
 
-Each replica loads the target and the drafter once and runs every request it holds through one
-batched engine (domino.engine), driven by a background thread (pipelines/serving/runner.py): every
-round drafts and verifies all of the replica's requests together (continuous batching), each may
-verify a different number of drafts (verify=confidence: DSpark's scheduling), and a client that
-disconnects has its generation cancelled.
+Two deployments. `EngineReplica` loads the target and the drafter once per replica and runs every
+request it holds through one batched engine (domino.engine), driven by a background thread
+(pipelines/serving/runner.py): every round drafts and verifies all of the replica's requests together
+(continuous batching), and each may verify a different number of drafts (verify=confidence: DSpark's
+scheduling); it autoscales. `OpenAIServer`, the HTTP ingress, validates requests and relays them to an
+engine replica and its events back, so a client whose engine replica dies mid-stream still gets an
+error event, and a client that disconnects has its generation cancelled.
 
     serve run pipelines.serve:app                                   # the embedded target, no drafter
     serve run pipelines.serve:build_app drafter=$HOME/domino-runs/smollm2-sharegpt/step_000400/drafter num_cpus=2
@@ -32,7 +34,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
+from ray.exceptions import RayTaskError
 from ray.serve import Application
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException
 
 from domino.config import MAX_BLOCK_SIZE
@@ -87,6 +91,10 @@ class ApiError(Exception):
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.detail = status, ErrorDetail(message=message, type=type, param=param, code=code)
+
+    def __reduce__(self):  # raised on an engine replica, re-raised by the ingress
+        d = self.detail
+        return ApiError, (self.status, d.message, d.type, d.param, d.code)
 
 
 class GenerationFailed(Exception):
@@ -273,7 +281,7 @@ async def event_stream(formatter: Formatter, streams: list[RequestStream], inclu
             stream.cancel()
 
 
-# -- the replica -----------------------------------------------------------------------------------
+# -- the engine replica ----------------------------------------------------------------------------
 
 
 def load_engine(args: ServeArgs) -> DecodingEngine:
@@ -290,15 +298,15 @@ def load_engine(args: ServeArgs) -> DecodingEngine:
 
 
 @serve.deployment(max_ongoing_requests=32)
-@serve.ingress(api)
-class OpenAIServer:
+class EngineReplica:
+    """One target + drafter and its batched engine. The ingress calls `respond` for a whole answer
+    and `stream` for server-sent events; both tokenise, submit one engine row per choice and format."""
+
     def __init__(self, args: ServeArgs):
         torch.set_num_threads(max(1, int(args.num_cpus)))
         engine = load_engine(args)
         self.target = engine.target
         self.model = args.served_name
-        publish_limits(ServedLimits(self.model, self.target.vocab_size, self.target.max_length))
-        self.created = int(time.time())
         self.runner = EngineRunner(engine, ReplicaMetrics(self.model))
 
     def check_health(self) -> None:
@@ -306,58 +314,48 @@ class OpenAIServer:
         if not self.runner.alive:
             raise RuntimeError("the engine thread has stopped")
 
-    @api.get("/health")
-    async def health(self) -> dict:
+    def limits(self) -> ServedLimits:
+        return ServedLimits(self.model, self.target.vocab_size, self.target.max_length)
+
+    def health(self) -> dict:
         self.check_health()
         return {"status": "ok", "model": self.model, "in_flight": self.runner.in_flight}
 
-    @api.get("/v1/models")
-    async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model, created=self.created)])
-
-    @api.post("/v1/completions", response_model=CompletionResponse, responses={
-        **ERRORS, 200: {"content": SSE_CONTENT,
-                        "description": "the completion, or with stream: true its chunks as server-sent events "
-                                       "(CompletionResponse objects, then [DONE])"}})
-    async def completions(self, request: CompletionRequest):
-        if isinstance(request.prompt, str):
-            prompt_ids = self.target.encode_prompt(request.prompt, chat=False)
-        else:
-            prompt_ids = self.checked_token_ids(request.prompt)
-        return await self.generate(request, prompt_ids, chat=False)
-
-    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
-        **ERRORS, 200: {"content": SSE_CONTENT,
-                        "description": "the chat completion, or with stream: true its chunks as server-sent "
-                                       "events (ChatCompletionChunk objects, then [DONE])"}})
-    async def chat_completions(self, request: ChatCompletionRequest):
-        prompt_ids = self.target.encode_prompt([message.as_template_input() for message in request.messages])
-        return await self.generate(request, prompt_ids, chat=True)
-
-    def checked_token_ids(self, ids: list[int]) -> list[int]:
-        vocab = self.target.vocab_size
-        if not all(0 <= i < vocab for i in ids):
-            raise ApiError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
-        return ids
-
-    async def generate(self, request: GenerationRequest, prompt_ids: list[int], chat: bool):
-        if request.model not in (None, self.model):
-            raise ApiError(404, f"the model '{request.model}' is not served here; this server serves '{self.model}'",
-                           type="not_found_error", param="model", code="model_not_found")
-        config = request.generation_config(len(prompt_ids), self.target.max_length)
-        streams = await self.submit_choices(prompt_ids, config, request.n)
-        ids = ResponseIds(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
-                          model=self.model)
-        formatter = Formatter(chat, ids, self.target.tokenizer)
-        if request.stream:
-            return StreamingResponse(event_stream(formatter, streams, request.include_usage),
-                                     media_type="text/event-stream")
+    async def respond(self, request: GenerationRequest, chat: bool):
+        formatter, streams = await self.start(request, chat)
         try:
             results = await asyncio.gather(*(stream.result() for stream in streams))
         finally:
             for stream in streams:
                 stream.cancel()  # the client left before the end, or a choice failed
         return formatter.complete([checked(result) for result in results])
+
+    async def stream(self, request: GenerationRequest, chat: bool) -> AsyncIterator[str]:
+        formatter, streams = await self.start(request, chat)
+        async for event in event_stream(formatter, streams, request.include_usage):
+            yield event
+
+    async def start(self, request: GenerationRequest, chat: bool) -> tuple[Formatter, list[RequestStream]]:
+        """Check and tokenise the request and submit its choices; a bad request raises here."""
+        if request.model not in (None, self.model):
+            raise ApiError(404, f"the model '{request.model}' is not served here; this server serves '{self.model}'",
+                           type="not_found_error", param="model", code="model_not_found")
+        prompt_ids = self.prompt_ids(request, chat)
+        config = request.generation_config(len(prompt_ids), self.target.max_length)
+        streams = await self.submit_choices(prompt_ids, config, request.n)
+        ids = ResponseIds(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
+                          model=self.model)
+        return Formatter(chat, ids, self.target.tokenizer), streams
+
+    def prompt_ids(self, request: GenerationRequest, chat: bool) -> list[int]:
+        if chat:
+            return self.target.encode_prompt([message.as_template_input() for message in request.messages])
+        if isinstance(request.prompt, str):
+            return self.target.encode_prompt(request.prompt, chat=False)
+        vocab = self.target.vocab_size
+        if not all(0 <= i < vocab for i in request.prompt):
+            raise ApiError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
+        return request.prompt
 
     async def submit_choices(self, prompt_ids: list[int], config, n: int) -> list[RequestStream]:
         """One engine row per choice, each with its own seed; a refusal cancels the choices submitted."""
@@ -374,10 +372,76 @@ class OpenAIServer:
         return submitted
 
 
-def application(args: ServeArgs, **deployment_options) -> Application:
-    """The application for `args`; `deployment_options` (autoscaling, ...) override the defaults."""
+# -- the HTTP ingress --------------------------------------------------------------------------------
+
+
+async def unwrapped(call: DeploymentResponse | Any):
+    """Await an engine call; an error it raised comes back as itself (its handler makes the status)."""
+    try:
+        return await call
+    except RayTaskError as error:
+        raise error.cause from None
+
+
+async def relayed(first: str, chunks: DeploymentResponseGenerator) -> AsyncIterator[str]:
+    """The engine's events as they come. If its replica dies mid-stream, the status line is sent
+    already: the client gets an error event instead of a broken connection."""
+    try:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+    except Exception as error:
+        logger.warning("an engine replica failed mid-stream: %s", type(error).__name__)
+        yield sse(ErrorResponse(error=ErrorDetail(
+            message=f"the engine replica failed mid-stream ({type(error).__name__}); retry the request",
+            type="server_error")))
+    finally:
+        chunks.cancel()  # the client left (or the stream ended): stop the generation
+
+
+@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class OpenAIServer:
+    async def __init__(self, engine: DeploymentHandle):
+        self.engine = engine
+        self.limits: ServedLimits = await unwrapped(engine.limits.remote())
+        publish_limits(self.limits)
+        self.created = int(time.time())
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return await unwrapped(self.engine.health.remote())
+
+    @api.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.limits.model, created=self.created)])
+
+    @api.post("/v1/completions", response_model=CompletionResponse, responses={
+        **ERRORS, 200: {"content": SSE_CONTENT,
+                        "description": "the completion, or with stream: true its chunks as server-sent events "
+                                       "(CompletionResponse objects, then [DONE])"}})
+    async def completions(self, request: CompletionRequest):
+        return await self.relay(request, chat=False)
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={
+        **ERRORS, 200: {"content": SSE_CONTENT,
+                        "description": "the chat completion, or with stream: true its chunks as server-sent "
+                                       "events (ChatCompletionChunk objects, then [DONE])"}})
+    async def chat_completions(self, request: ChatCompletionRequest):
+        return await self.relay(request, chat=True)
+
+    async def relay(self, request: GenerationRequest, chat: bool):
+        if not request.stream:
+            return await unwrapped(self.engine.respond.remote(request, chat))
+        chunks = self.engine.options(stream=True).stream.remote(request, chat)
+        first = await unwrapped(chunks.__anext__())  # a refused request fails here, before the status line
+        return StreamingResponse(relayed(first, chunks), media_type="text/event-stream")
+
+
+def application(args: ServeArgs, **engine_options) -> Application:
+    """The application for `args`; `engine_options` (autoscaling, ...) override the engine replicas' defaults."""
     resources = {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus}
-    return OpenAIServer.options(ray_actor_options=resources, **deployment_options).bind(args)
+    return OpenAIServer.bind(EngineReplica.options(ray_actor_options=resources, **engine_options).bind(args))
 
 
 def build_app(args: dict[str, str]) -> Application:

@@ -52,6 +52,23 @@ def test_tiny_end_to_end_run(tmp_path, embedded_target):
     assert "| two | oracle |" in (out / "results.md").read_text()
 
 
+def test_sampled_run_is_seeded_and_claims_no_token_equality(tmp_path, embedded_target):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"turns": ["Name a colour."]}) + "\n")
+    runs = []
+    for name in ("a", "b"):
+        code = bench.main(["run", "--datasets", str(data), "--prompts", "1", "--max-new-tokens", "8", "--methods",
+                           "oracle", "--temperature", "1", "--seed", "3", "--out", str(tmp_path / name)])
+        assert code == 0
+        runs.append({r["method"]: r for r in json.loads((tmp_path / name / "results.json").read_text())["rows"]})
+    for method in ("autoregressive", "oracle"):
+        assert runs[0][method]["lossless"] is None  # sampled outputs differ from plain decoding's by design
+        for key in ("tokens", "rounds", "accepted"):  # the same seed draws the same numbers
+            assert runs[0][method][key] == runs[1][method][key]
+    with pytest.raises(SystemExit):
+        bench.main(["run", "--temperature", "-1"])
+
+
 def test_bad_input_is_named(tmp_path, embedded_target, capsys):
     with pytest.raises(DominoError, match="neither an embedded set"):
         load_prompt_set(str(tmp_path / "missing.jsonl"), 5)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from pipelines.serve import OpenAIServer, ServeArgs
+from pipelines.serve import EngineReplica, OpenAIServer, ServeArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,12 +21,12 @@ def test_serve_config_is_valid_for_serve_deploy(path):
         assert callable(getattr(importlib.import_module(module), attribute))
         ServeArgs.model_validate(app.args)  # the builder would accept them
         for deployment in app.deployments:
-            assert deployment.name == OpenAIServer.name
+            assert deployment.name in (EngineReplica.name, OpenAIServer.name)
 
 
 def test_cluster_config_autoscales():
     config = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "cluster/serve.yaml").read_text()))
-    (deployment,) = config.applications[0].deployments
+    (deployment,) = [d for d in config.applications[0].deployments if d.name == EngineReplica.name]
     scaling = deployment.autoscaling_config
     assert 1 <= scaling["min_replicas"] < scaling["max_replicas"]
     assert scaling["target_ongoing_requests"] <= deployment.max_ongoing_requests

@@ -3,7 +3,8 @@
 Ours run through domino's engine (plain autoregressive decoding, drafters, the oracle ceiling);
 Hugging Face `generate`, plain and with prompt-lookup decoding, are the baselines users would
 otherwise pick. Every method returns the same record: tokens, seconds, and our per-round statistics
-where the method has them."""
+where the method has them. At a temperature above 0 every method samples, seeded per call so that a
+rerun draws the same numbers (speculative sampling is exact in distribution, not token for token)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.requests import GenerationStats
+from domino.sampling import GREEDY, SamplingParams
 from domino.scheduler import make_policy
 from domino.target import Target
 
@@ -36,34 +38,41 @@ class Method:
     target: Target
     decoder: SpeculativeDecoder | None = None  # None: a Hugging Face generate method
     hf_options: dict = field(default_factory=dict)
+    sampling: SamplingParams = GREEDY
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Output:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0) -> Output:
         if self.decoder is not None:
-            result = self.decoder.generate(prompt_ids, GenerationConfig(max_new_tokens=max_new_tokens))
+            config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=self.sampling, seed=seed)
+            result = self.decoder.generate(prompt_ids, config)
             return Output(result.tokens, result.stats.total_s, result.stats)
         ids = torch.tensor([prompt_ids], device=self.target.device)
+        sampling = {} if self.sampling.greedy else dict(
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k or None)
+        torch.manual_seed(seed)
         start = time.perf_counter()
         out = self.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                         do_sample=False, eos_token_id=self.target.stop_token_ids,
-                                         pad_token_id=self.target.stop_token_ids[0], **self.hf_options)
+                                         do_sample=not self.sampling.greedy, eos_token_id=self.target.stop_token_ids,
+                                         pad_token_id=self.target.stop_token_ids[0], **sampling, **self.hf_options)
         seconds = time.perf_counter() - start
         return Output(out[0, ids.shape[1]:].tolist(), seconds)
 
 
-def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "full") -> Method:
+def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "full",
+                sampling: SamplingParams = GREEDY) -> Method:
     """'autoregressive', 'hf-generate', 'prompt-lookup', 'oracle', or a drafter checkpoint given as
     PATH or NAME=PATH, whose drafts are verified by the policy named `verify` (domino.scheduler)."""
     if spec == "autoregressive":
-        return Method(spec, target, SpeculativeDecoder(target, None))
+        return Method(spec, target, SpeculativeDecoder(target, None), sampling=sampling)
     if spec == "oracle":
-        return Method(spec, target, SpeculativeDecoder(target, "oracle", block_size=block_size))
+        return Method(spec, target, SpeculativeDecoder(target, "oracle", block_size=block_size), sampling=sampling)
     if spec == "hf-generate":
-        return Method(spec, target)
+        return Method(spec, target, sampling=sampling)
     if spec == "prompt-lookup":
-        return Method(spec, target, hf_options=dict(prompt_lookup_num_tokens=10))
+        return Method(spec, target, hf_options=dict(prompt_lookup_num_tokens=10), sampling=sampling)
     name, _, path = spec.rpartition("=")
     if not Path(path).is_dir():
         raise DominoError(f"unknown method '{spec}': use one of {', '.join(BUILTIN)}, or a drafter checkpoint "
                           f"folder (PATH or NAME=PATH)")
     drafter = Drafter.from_pretrained(path, target)
-    return Method(name or Path(path).name, target, SpeculativeDecoder(target, drafter, policy=make_policy(verify, target)))
+    decoder = SpeculativeDecoder(target, drafter, policy=make_policy(verify, target))
+    return Method(name or Path(path).name, target, decoder, sampling=sampling)

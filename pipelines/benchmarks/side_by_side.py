@@ -3,8 +3,11 @@
     python -m pipelines.bench run --datasets humaneval mt-bench gsm --methods autoregressive hf-generate \\
         prompt-lookup oracle domino=$HOME/domino-runs/smollm2-sharegpt/step_000400/drafter --prompts 10 --max-new-tokens 128 --out results/bench
 
-Every method sees the same target, prompts and limits in one run (greedy); speedups are against plain
-autoregressive decoding from the same run, and "lossless" says whether a method's outputs equal it.
+Every method sees the same target, prompts and limits in one run; speedups are against plain
+autoregressive decoding from the same run. Greedy by default, where "lossless" says whether a
+method's outputs equal plain decoding's; `--temperature 1` samples instead (speculative sampling,
+seeded per turn), where outputs differ from plain decoding's by design and exactness is the
+statistical tests' job (tests/test_sampling*.py).
 Writes results.json, results.md and two plots (acceptance by position, speedup per dataset).
 
 `ablation` first trains, through the training pipeline, one drafter per variant of Domino's ablation
@@ -23,6 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from domino.errors import DominoError
+from domino.sampling import SamplingParams
 from domino.scheduler import POLICIES
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks.methods import BUILTIN, Method, make_method
@@ -45,6 +49,8 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
                         help="how many of its drafts a drafter's round verifies (threshold and confidence need "
                              "a confidence head; gated and confidence profile the target's steps per second "
                              "first and draft only while drafting pays)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (seeded)")
+    parser.add_argument("--seed", type=int, default=0, help="with --temperature: turn i of the run samples with seed + i")
     parser.add_argument("--out", default="results/bench", help="output folder")
     if ablation:
         parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
@@ -52,6 +58,10 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1:
         parser.error("--prompts and --max-new-tokens must be positive")
+    try:
+        args.sampling = SamplingParams(temperature=args.temperature)
+    except DominoError as error:
+        parser.error(str(error))
     return args
 
 
@@ -85,18 +95,20 @@ def train_ablation(train_args: list[str]) -> list[str]:
     return specs
 
 
-def run_conversation(method: Method, turns: list[str], max_new_tokens: int) -> list:
-    """Each user turn in order, with the method's own answers fed back as assistant turns."""
+def run_conversation(method: Method, turns: list[str], max_new_tokens: int, seed: int) -> list:
+    """Each user turn in order, with the method's own answers fed back as assistant turns; turn i
+    samples with seed + i."""
     target, messages, outputs = method.target, [], []
-    for turn in turns:
+    for i, turn in enumerate(turns):
         messages.append({"role": "user", "content": turn})
-        output = method.generate(target.encode_prompt(messages), max_new_tokens)
+        output = method.generate(target.encode_prompt(messages), max_new_tokens, seed + i)
         outputs.append(output)
         messages.append({"role": "assistant", "content": target.tokenizer.decode(output.tokens, skip_special_tokens=True)})
     return outputs
 
 
-def benchmark(target: Target, methods: list[Method], prompt_sets: list[PromptSet], max_new_tokens: int) -> list[Row]:
+def benchmark(target: Target, methods: list[Method], prompt_sets: list[PromptSet], max_new_tokens: int,
+              seed: int = 0) -> list[Row]:
     rows: dict[tuple[str, str], Row] = {}
     outputs: dict[tuple[str, str], list[list[int]]] = {}
     warm_up = target.encode_prompt("Hello!")
@@ -105,15 +117,15 @@ def benchmark(target: Target, methods: list[Method], prompt_sets: list[PromptSet
     total = sum(len(ps.conversations) for ps in prompt_sets) * len(methods)
     with tqdm(total=total, desc="bench", dynamic_ncols=True) as bar:
         for prompt_set in prompt_sets:
-            for turns in prompt_set.conversations:
+            for number, turns in enumerate(prompt_set.conversations):
                 for method in methods:  # alternate methods prompt by prompt: they see the same machine load
                     key = (method.name, prompt_set.name)
                     row = rows.setdefault(key, Row(method.name, prompt_set.name))
-                    for output in run_conversation(method, turns, max_new_tokens):
+                    for output in run_conversation(method, turns, max_new_tokens, seed + 100 * number):
                         row.add(output)
                         outputs.setdefault(key, []).append(output.tokens)
                     bar.update()
-    compare_with_baseline(rows, outputs)
+    compare_with_baseline(rows, outputs, exact=all(m.sampling.greedy for m in methods))
     return list(rows.values())
 
 
@@ -133,11 +145,11 @@ def benchmark_command(argv: list[str], ablation: bool) -> int:
         drafters = train_ablation(args.train) if ablation else []
         target = Target.load(args.target)
         specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
-        methods = [make_method(spec, target, args.block_size, args.verify) for spec in specs]
+        methods = [make_method(spec, target, args.block_size, args.verify, args.sampling) for spec in specs]
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    rows = benchmark(target, methods, prompt_sets, args.max_new_tokens)
+    rows = benchmark(target, methods, prompt_sets, args.max_new_tokens, args.seed)
     command = f"python -m pipelines.bench {'ablation' if ablation else 'run'} " + shlex.join(argv)
     files = write(rows, Path(args.out), command)
     print(markdown(rows))
