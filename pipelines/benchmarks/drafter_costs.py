@@ -1,5 +1,5 @@
 """What a drafter costs on the embedded target: parameters per head kind, and the time of one draft
-forward against one target decode step and one target verification of a whole block. The drafter's
+forward per head kind against one target decode step and one target verification of a whole block. The drafter's
 shape defaults to the training pipeline's default (pipelines/training/config.py); drafts are timed with the
 target's whole vocabulary and with the reduced draft vocabulary, per head kind.
 
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
 
     timings = {"target decode step (1 token)": median_seconds(lambda: target_step(one), args.repeats),
                f"target verify ({args.block_size + 1} tokens)": median_seconds(lambda: target_step(block), args.repeats)}
-    for head in dict.fromkeys(("none", default.head, "domino")):  # the default head, and the two it is weighed against
+    for head in HEAD_KINDS:
         for vocab in args.draft_vocab:
             name = f"draft one block of {args.block_size}: head {head}, " + (f"draft vocabulary {vocab}" if vocab else "whole vocabulary")
             timings[name] = draft_seconds(head, vocab)
