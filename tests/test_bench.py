@@ -57,7 +57,7 @@ def test_sampled_run_is_seeded_and_claims_no_token_equality(tmp_path, embedded_t
     data.write_text(json.dumps({"turns": ["Name a colour."]}) + "\n")
     runs = []
     for name in ("a", "b"):
-        code = bench.main(["run", "--datasets", str(data), "--prompts", "1", "--max-new-tokens", "8", "--methods",
+        code = bench.main(["run", "--datasets", str(data), "--prompts", "1", "--max-new-tokens", "5", "--methods",
                            "oracle", "--temperature", "1", "--seed", "3", "--out", str(tmp_path / name)])
         assert code == 0
         runs.append({r["method"]: r for r in json.loads((tmp_path / name / "results.json").read_text())["rows"]})
