@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Literal
 
 import torch
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.exceptions import RayTaskError
 from ray.serve import Application
-from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from domino.config import MAX_BLOCK_SIZE
 from domino.drafter import Drafter
@@ -171,7 +171,7 @@ class EngineReplica:
 # -- the HTTP ingress --------------------------------------------------------------------------------
 
 
-async def unwrapped(call: DeploymentResponse | Any):
+async def unwrapped(call: Awaitable[Any]):
     """Await an engine call; an error it raised comes back as itself (its handler makes the status)."""
     try:
         return await call
@@ -200,6 +200,7 @@ async def relayed(first: str, chunks: DeploymentResponseGenerator) -> AsyncItera
 class OpenAIServer:
     async def __init__(self, engine: DeploymentHandle):
         self.engine = engine
+        self.streaming_engine = engine.options(stream=True)
         self.limits: ServedLimits = await unwrapped(engine.limits.remote())
         publish_limits(self.limits)
         self.created = int(time.time())
@@ -229,7 +230,7 @@ class OpenAIServer:
     async def relay(self, request: GenerationRequest, chat: bool):
         if not request.stream:
             return await unwrapped(self.engine.respond.remote(request, chat))
-        chunks = self.engine.options(stream=True).stream.remote(request, chat)
+        chunks = self.streaming_engine.stream.remote(request, chat)
         first = await unwrapped(chunks.__anext__())  # a refused request fails here, before the status line
         return StreamingResponse(relayed(first, chunks), media_type="text/event-stream")
 

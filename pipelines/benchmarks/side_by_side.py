@@ -50,7 +50,7 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
                              "a confidence head; gated and confidence profile the target's steps per second "
                              "first and draft only while drafting pays)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (seeded)")
-    parser.add_argument("--seed", type=int, default=0, help="with --temperature: turn i of the run samples with seed + i")
+    parser.add_argument("--seed", type=int, default=0, help="with --temperature: turn t of conversation c samples with seed + 100 c + t")
     parser.add_argument("--out", default="results/bench", help="output folder")
     if ablation:
         parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
