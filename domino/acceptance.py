@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from domino.drafter import ContextCache, Draft, Drafter
+from domino.lookup import TokenHistory
 from domino.sampling import GREEDY, RowSampling
 
 
@@ -29,7 +30,11 @@ def drafts_from_scratch(drafter: Drafter, features: torch.Tensor, ids: torch.Ten
     cache.values = [v.expand(count, -1, -1, -1) for v in cache.values]
     valid = torch.arange(t, device=ids.device)[None] < anchors[:, None]
     sampling = sampling or RowSampling([GREEDY] * count, [None] * count)
-    return drafter.draft(cache, ids[anchors], sampling, positions=anchors, valid=valid)
+    histories = None
+    if drafter.config.lookup_ngram:  # each anchor's text: the sequence up to and including it
+        text = ids.tolist()
+        histories = [TokenHistory(drafter.config.lookup_ngram, text[:a + 1]) for a in anchors.tolist()]
+    return drafter.draft(cache, ids[anchors], sampling, positions=anchors, valid=valid, histories=histories)
 
 
 @torch.no_grad()

@@ -34,6 +34,7 @@ class DrafterConfig:
     confidence_head: bool = False
     num_layers: int = 1
     draft_vocab_size: int = 0  # tokens the drafter scores (its most frequent in training); 0: the target's whole vocabulary
+    lookup_ngram: int = 0  # copy drafts from the request's own text after repeats of its last n <= this many tokens (0: off)
     rank: int = 256  # low rank of the head's logit residual
     gru_hidden: int = 256  # state size of the Domino GRU / DSpark RNN head
     num_attention_heads: int = 8
@@ -70,6 +71,8 @@ class DrafterConfig:
         if not (self.draft_vocab_size == 0 or 2 <= self.draft_vocab_size <= self.target_vocab_size):
             raise DominoError(f"draft_vocab_size must be 0 (the whole vocabulary) or between 2 and the target's "
                               f"{self.target_vocab_size}, got {self.draft_vocab_size}")
+        if not 0 <= self.lookup_ngram <= 16:
+            raise DominoError(f"lookup_ngram must be between 0 (off) and 16, got {self.lookup_ngram}")
         for name in ("rank", "gru_hidden", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise DominoError(f"{name} must be positive, got {getattr(self, name)}")

@@ -21,6 +21,7 @@ from domino.config import DrafterConfig
 from domino.errors import DominoError
 from domino.formats import CONFIG_NAME, WEIGHTS_NAME, read_checkpoint
 from domino.heads import ConfidenceHead, build_head
+from domino.lookup import CopyRun, TokenHistory
 from domino.sampling import RowSampling
 
 
@@ -140,6 +141,44 @@ class Draft:
     confidence: torch.Tensor | None  # (n, m): survival probabilities, when the drafter has a confidence head
 
 
+class _Copies:
+    """The rows' copy runs (domino.lookup) at the current block position, as tensors for the draft loop;
+    with no runs, every call leaves the drafter's own values."""
+
+    def __init__(self, runs: list[CopyRun] | None, device: torch.device):
+        self.runs, self.device = runs, device
+        proposals = [run.proposal() for run in runs] if runs else []
+        self._update(proposals)
+
+    def _update(self, proposals: list[int | None]) -> None:
+        self.copying = torch.tensor([p is not None for p in proposals], dtype=torch.bool, device=self.device)
+        self.tokens = torch.tensor([p or 0 for p in proposals], dtype=torch.long, device=self.device)
+
+    def take(self, drafted: torch.Tensor) -> torch.Tensor:
+        """The tokens at this position: copies where a row copies, `drafted` elsewhere."""
+        return torch.where(self.copying, self.tokens, drafted) if self.runs else drafted
+
+    def distribution(self, drafted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The proposal distributions (n, V): a point mass on the copy where a row copies."""
+        if not self.runs or not bool(self.copying.any()):
+            return drafted
+        point = F.one_hot(tokens, drafted.shape[-1]).to(drafted.dtype)
+        return torch.where(self.copying[:, None], point, drafted)
+
+    def confidence(self, drafted: torch.Tensor) -> torch.Tensor:
+        if not self.runs:
+            return drafted
+        copied = torch.tensor([run.confidence for run in self.runs], dtype=drafted.dtype, device=drafted.device)
+        return torch.where(self.copying, copied, drafted)
+
+    def push(self, tokens: torch.Tensor) -> None:
+        """Record this position's tokens and move to the next position."""
+        if self.runs:
+            for run, token in zip(self.runs, tokens.tolist()):
+                run.push(token)
+            self._update([run.proposal() for run in self.runs])
+
+
 class Drafter(nn.Module):
     """Backbone + head. The target's embedding table and LM head are shared and frozen: they are held
     by reference, are not parameters of this module, and are not saved in its checkpoints."""
@@ -253,7 +292,7 @@ class Drafter(nn.Module):
     def draft(self, cache: ContextCache, anchors: torch.Tensor, sampling: RowSampling,
               positions: torch.Tensor | None = None,
               screen: Callable[[torch.Tensor], bool] | None = None, needed: int | None = None,
-              valid: torch.Tensor | None = None) -> Draft | None:
+              valid: torch.Tensor | None = None, histories: list[TokenHistory] | None = None) -> Draft | None:
         """One drafting round: propose the `config.num_drafts` tokens after each anchor (n,), sitting at
         `positions` (n,) (default: right after the cached context). Each proposal is chosen by the row's
         sampling rule from a distribution conditioned on the proposals before it, and that distribution
@@ -269,8 +308,15 @@ class Drafter(nn.Module):
 
         `screen` (drafters with a confidence head) sees the first position's survival estimates (n,),
         which need no logits, and answers whether any draft is worth verifying. When none is, the round
-        ends there (None), skipping the LM head over n x B positions: at large batch the costliest part."""
+        ends there (None), skipping the LM head over n x B positions: at large batch the costliest part.
+
+        `histories` (each row's text so far, ending with its anchor): with `config.lookup_ngram`, a row
+        copies from its own text wherever that text repeats itself (domino.lookup); a copy's distribution
+        is a point mass. When every row copies from the first position on, the backbone is not run."""
         cache.catch_up()
+        runs = [CopyRun(h) for h in histories] if self.config.lookup_ngram and histories is not None else None
+        if runs is not None and all(run.proposal() is not None for run in runs):
+            return self._copied(runs, sampling, screen)
         n, block, silent = anchors.shape[0], self.config.block_size, self.config.silent_slots
         if silent and needed is not None:
             block = min(block, needed + silent)
@@ -283,9 +329,10 @@ class Drafter(nn.Module):
         h = self.backbone(self.block_ids(anchors, block), positions[:, None] + offsets,
                           [cache.layer(i) for i in range(len(self.layers))], mask)[:, silent:]
         prev, prev_embed = anchors, self.embed(anchors)
+        copies = _Copies(runs, anchors.device)
         confidence = []
         if self.confidence is not None:
-            confidence.append(torch.sigmoid(self.confidence(h[:, 0], prev_embed)))
+            confidence.append(copies.confidence(torch.sigmoid(self.confidence(h[:, 0], prev_embed))))
             if screen is not None and not screen(confidence[0]):
                 return None
         base = self.lm_head(h)
@@ -295,18 +342,39 @@ class Drafter(nn.Module):
             if k:
                 prev_embed = self.embed(prev)
                 if self.confidence is not None:
-                    confidence.append(torch.sigmoid(self.confidence(h[:, k], prev_embed)))
+                    confidence.append(copies.confidence(torch.sigmoid(self.confidence(h[:, k], prev_embed))))
             logits = base[:, k]
             if self.head is not None:
                 z, state = self.head.step(k, h[:, k], prev, prev_embed, state)
                 logits = logits + self.head.out(z).float()
             choice, p = sampling.choose(logits)
-            prev = self.to_target_ids(choice)
+            prev = copies.take(self.to_target_ids(choice))
             tokens.append(prev)
-            probs.append(p)
+            probs.append(None if p is None else copies.distribution(self.on_target_vocabulary(p), prev))
+            copies.push(prev)
         return Draft(
             tokens=torch.stack(tokens, dim=1),
-            probs=None if sampling.all_greedy else self.on_target_vocabulary(torch.stack(probs, dim=1)),
+            probs=None if sampling.all_greedy else torch.stack(probs, dim=1),
+            confidence=torch.stack(confidence, dim=1) if confidence else None,
+        )
+
+    def _copied(self, runs: list[CopyRun], sampling: RowSampling,
+                screen: Callable[[torch.Tensor], bool] | None) -> Draft | None:
+        """A round in which every row copies its whole block: no backbone, no LM head."""
+        device = self.fc.weight.device
+        copies = _Copies(runs, device)
+        confidence, tokens = [], []
+        for k in range(self.config.num_drafts):
+            if self.confidence is not None:
+                confidence.append(copies.confidence(self.fc.weight.new_zeros(len(runs))))
+                if k == 0 and screen is not None and not screen(confidence[0]):
+                    return None
+            tokens.append(copies.take(torch.zeros(len(runs), dtype=torch.long, device=device)))
+            copies.push(tokens[-1])
+        tokens = torch.stack(tokens, dim=1)
+        return Draft(
+            tokens=tokens,
+            probs=None if sampling.all_greedy else F.one_hot(tokens, self.config.target_vocab_size).float(),
             confidence=torch.stack(confidence, dim=1) if confidence else None,
         )
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from domino.drafter import ContextCache, Draft, Drafter
 from domino.errors import DominoError
+from domino.lookup import TokenHistory
 from domino.batch_caches import BatchCaches
 from domino.requests import GenerationConfig, GenerationResult, RequestState, TokenLogprob
 from domino.sampling import ACCEPT, TARGET, RowSampling
@@ -137,6 +138,8 @@ class DecodingEngine:
             begin = time.perf_counter()
             context = ContextCache(project=self.drafter.context_kv)
             self.drafter.extend_context(context, out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
+            if self.drafter.config.lookup_ngram:
+                state.history = TokenHistory(self.drafter.config.lookup_ngram, state.prompt)
             state.stats.draft_s += time.perf_counter() - begin
         tokens, text = state.commit([first], logprobs) if first is not None else ([], "")
         if not state.finished:
@@ -177,13 +180,20 @@ class DecodingEngine:
         if isinstance(self.drafter, Drafter):
             screen = (lambda first: self.policy.admits_any(caps, first)) if self.policy.needs_confidence else None
             return self.drafter.draft(self.caches.context, anchors, sampling, positions, screen,
-                                      needed=int(caps.max()) + 1, valid=self.caches.valid)
+                                      needed=int(caps.max()) + 1, valid=self.caches.valid,
+                                      histories=[s.history for s in states])
         upcoming = [s.reference[len(s.tokens): len(s.tokens) + self.block_size] for s in states]
         tokens = torch.tensor([u + [PAD] * (self.block_size - len(u)) for u in upcoming], device=anchors.device)
         probs = None
         if not sampling.all_greedy:  # the oracle's proposals are certain: q is a point mass
             probs = F.one_hot(tokens, self.target.vocab_size).float()
         return Draft(tokens=tokens, probs=probs, confidence=None)
+
+    @staticmethod
+    def _copies_ready(states: list[RequestState]) -> bool:
+        """Whether every row can copy its next drafts from its own text (domino.lookup): the round then runs
+        no drafter forward, so it drafts whatever the policy's speculation gate says of the drafter."""
+        return all(s.history is not None and s.history.source([]) is not None for s in states)
 
     def _accept(self, drafts: torch.Tensor, draft: Draft | None, logits: torch.Tensor, lengths: torch.Tensor,
                 sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +225,7 @@ class DecodingEngine:
         start = time.perf_counter()
         draft = None
         lengths = torch.zeros_like(caps)
-        tried = int(caps.max()) > 0 and self.policy.wants_draft(len(states))
+        tried = int(caps.max()) > 0 and (self._copies_ready(states) or self.policy.wants_draft(len(states)))
         if tried:
             draft = self._propose(states, anchors, positions, sampling, caps)
             if draft is not None:

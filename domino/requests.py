@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from domino.errors import DominoError
+from domino.lookup import TokenHistory
 from domino.sampling import SamplingParams, fresh_seed
 from domino.target import Target
 from domino.text import TextStream
@@ -146,6 +147,7 @@ class RequestState:
         self.started = 0.0  # perf_counter() when its prefill began
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.reference: list[int] | None = None  # the oracle's known continuation, when it drafts
+        self.history: TokenHistory | None = None  # prompt + tokens, indexed for copy drafts (domino.lookup)
 
     @property
     def finished(self) -> bool:
@@ -183,6 +185,8 @@ class RequestState:
                 self.finish_reason = "stop"
                 del new[len(self.text.tokens) - len(self.tokens):]
         self.tokens.extend(new)
+        if self.history is not None:
+            self.history.extend(new)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.extend(logprobs[:len(new)])
         self.stats.new_tokens = len(self.tokens)

@@ -3,6 +3,7 @@ sequence): the drafter's context cache, grown round by round through holes, stag
 joins and retirements, holds exactly the context it should. Greedy exactness cannot see a bug here (it
 would only lower tau), so this compares the drafts themselves: tokens exactly, confidences to 1e-9."""
 
+import pytest
 import torch
 
 from domino.acceptance import drafts_from_scratch, greedy_accepted
@@ -28,10 +29,11 @@ def next_token_table(target) -> torch.Tensor:
         return target.model(torch.arange(VOCAB)[:, None]).logits[:, 0].argmax(-1)
 
 
-def mostly_right_drafter(target, wrong_fraction: float = 0.3):
+def mostly_right_drafter(target, wrong_fraction: float = 0.3, lookup_ngram: int = 0):
     """A Markov head that knows the target's next-token table except for a share of the tokens, so rounds
     accept every number of drafts; the backbone's own logits and its confidences still read the context."""
-    drafter = tiny_drafter(target, head="markov", rank=VOCAB, block_size=6, confidence_head=True, seed=4).double()
+    drafter = tiny_drafter(target, head="markov", rank=VOCAB, block_size=6, confidence_head=True, seed=4,
+                           lookup_ngram=lookup_ngram).double()
     table = next_token_table(target)
     wrong = torch.rand(VOCAB, generator=torch.Generator().manual_seed(0)) < wrong_fraction
     table = torch.where(wrong, (table + 1) % VOCAB, table)
@@ -79,9 +81,12 @@ class EveryThirdRoundPlain(FullVerify):
         return self.rounds % 3 != 0
 
 
-def test_engine_drafts_equal_drafts_from_scratch():
+@pytest.mark.parametrize("lookup_ngram", [0, 2])
+def test_engine_drafts_equal_drafts_from_scratch(lookup_ngram):
+    """With context lookup too: each row's text, kept by the engine as it commits, must be the one the
+    reference reads off the finished sequence."""
     target = bigram_target()
-    drafter = mostly_right_drafter(target)
+    drafter = mostly_right_drafter(target, lookup_ngram=lookup_ngram)
     engine = RecordingEngine(target, drafter, policy=EveryThirdRoundPlain())
     prompts = list(random_prompts(5, seed=7))
     requests = {f"r{i}": (p, GenerationConfig(max_new_tokens=30 + 25 * (i % 3), stop_token_ids=[]))

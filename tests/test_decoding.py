@@ -67,6 +67,22 @@ def test_greedy_output_equals_target_with_random_drafters(target, head):
         assert result.finish_reason == "length"
 
 
+def test_greedy_output_equals_target_with_context_lookup(target):
+    """Copies from the text replace some drafts (random targets repeat themselves too); the output stays the
+    target's, and the copies are what lets a random drafter's rounds accept several drafts."""
+    drafter = tiny_drafter(target, head="markov", seed=8, lookup_ngram=3).double()
+    plain = tiny_drafter(target, head="markov", seed=8).double()
+    accepted = {}
+    for name, decoder in (("lookup", SpeculativeDecoder(target, drafter)), ("plain", SpeculativeDecoder(target, plain))):
+        accepted[name] = 0
+        for i, prompt in enumerate(random_prompts(6, seed=21)):
+            max_new = 20 + 7 * i
+            result = decoder.generate(prompt, GenerationConfig(max_new_tokens=max_new, stop_token_ids=[], seed=i))
+            assert result.tokens == hf_greedy(target, prompt, max_new)
+            accepted[name] += sum(result.stats.accepted)
+    assert accepted["lookup"] > 2 * accepted["plain"] + 10, accepted
+
+
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_greedy_output_equals_target_at_every_acceptance_length(target, block_size):
     lengths = set()

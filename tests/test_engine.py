@@ -44,7 +44,7 @@ def run_batch(engine, requests, join_at=None, cancel=None):
     return got
 
 
-@pytest.mark.parametrize("drafter", ["domino", "noisy-oracle", "none"])
+@pytest.mark.parametrize("drafter", ["domino", "domino-lookup", "noisy-oracle", "none"])
 def test_batched_greedy_outputs_equal_each_requests_own(target, drafter):
     prompts = list(random_prompts(7, seed=11))
     requests = {}
@@ -52,8 +52,9 @@ def test_batched_greedy_outputs_equal_each_requests_own(target, drafter):
         stop = hf_greedy(target, prompt, 30)[5 + 3 * i] if i % 3 == 0 else None  # some stop mid-way
         config = GenerationConfig(max_new_tokens=12 + 5 * i, stop_token_ids=[stop] if stop is not None else [])
         requests[f"r{i}"] = (prompt, config)
-    if drafter == "domino":
-        engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=6).double())
+    if drafter.startswith("domino"):  # with lookup, rows copy from their own text while others draft
+        lookup = 2 if drafter == "domino-lookup" else 0
+        engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=6, lookup_ngram=lookup).double())
     elif drafter == "noisy-oracle":
         engine = NoisyOracle(target, "oracle", block_size=6)
     else:
@@ -223,12 +224,14 @@ def test_gate_stops_drafting_while_it_loses_and_retries_later():
     assert gate.calibration == pytest.approx(0.75)
 
 
-@pytest.mark.parametrize("gated", [ConfidenceScheduler, GatedFullVerify])
-def test_gated_engine_stays_exact(target, gated):
+@pytest.mark.parametrize("gated, lookup", [(ConfidenceScheduler, 0), (GatedFullVerify, 0), (ConfidenceScheduler, 1)])
+def test_gated_engine_stays_exact(target, gated, lookup):
     """With the gate closing and opening, outputs stay the target's greedy outputs; while it is shut
-    the drafter's features wait unprojected through rows leaving and joining."""
+    the drafter's features wait unprojected through rows leaving and joining. With context lookup, rounds
+    in which every row can copy draft whatever the gate says."""
     policy = gated(SPSProfile(tokens=[1, 1000], seconds=[1e-4, 1e-4 + 999 * 1e-7]))
-    drafter = tiny_drafter(target, head="domino", confidence_head=gated is ConfidenceScheduler, block_size=4).double()
+    drafter = tiny_drafter(target, head="domino", confidence_head=gated is ConfidenceScheduler, block_size=4,
+                           lookup_ngram=lookup).double()
     engine = DecodingEngine(target, drafter, policy=policy)
     prompts = list(random_prompts(4, seed=9))
     budgets = [30, 12, 22, 16]

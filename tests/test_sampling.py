@@ -107,7 +107,8 @@ def reduced_drafter(target):
 
 def engines(target):
     """Each way of decoding: plain; full verification with the Domino head, a sharply wrong head, the
-    Markov head and a reduced draft vocabulary; threshold (screened); confidence (screened, gated)."""
+    Markov head, a reduced draft vocabulary, and copies from the text (point masses); threshold
+    (screened); confidence (screened, gated)."""
     def drafter(confidence: bool):
         return tiny_drafter(target, head="domino", block_size=3, seed=3, confidence_head=confidence).double()
     return {
@@ -116,6 +117,8 @@ def engines(target):
         "full-bad": lambda: DecodingEngine(target, bad_drafter(target)),
         "full-markov": lambda: DecodingEngine(target, tiny_drafter(target, head="markov", block_size=3, seed=4).double()),
         "full-reduced": lambda: DecodingEngine(target, reduced_drafter(target)),
+        "full-lookup": lambda: DecodingEngine(target, tiny_drafter(target, head="markov", block_size=3, seed=4,
+                                                                   lookup_ngram=2).double()),
         "threshold": lambda: DecodingEngine(target, drafter(True), policy=ThresholdVerify(0.05)),
         "confidence": lambda: DecodingEngine(target, drafter(True), policy=ConfidenceScheduler(FAST, padded=False)),
     }
@@ -145,10 +148,10 @@ def generate_all(make_engine, params, seeds, batch=BATCH, others=True):
 
 
 # (parameters, the engines run): plain and verification at T = 1; plain, the wrong head and the screened,
-# gated engine with top-p and top-k; the Markov head and the reduced vocabulary at T = 1.3
+# gated engine with top-p and top-k; the Markov head, the reduced vocabulary and context lookup at T = 1.3
 CASES = {"t1": (SamplingParams(temperature=1.0), ["plain", "full", "threshold", "confidence"]),
          "top-p-k": (SamplingParams(temperature=1.4, top_p=0.8, top_k=4), ["plain", "full-bad", "confidence"]),
-         "t1.3": (SamplingParams(temperature=1.3), ["full-markov", "full-reduced"])}
+         "t1.3": (SamplingParams(temperature=1.3), ["full-markov", "full-reduced", "full-lookup"])}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

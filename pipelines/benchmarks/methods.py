@@ -8,6 +8,7 @@ rerun draws the same numbers (speculative sampling is exact in distribution, not
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +59,10 @@ class Method:
 
 
 def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "full",
-                sampling: SamplingParams = GREEDY) -> Method:
+                sampling: SamplingParams = GREEDY, lookup_ngram: int | None = None) -> Method:
     """'autoregressive', 'hf-generate', 'prompt-lookup', 'oracle', or a drafter checkpoint given as
-    PATH or NAME=PATH, whose drafts are verified by the policy named `verify` (domino.scheduler)."""
+    PATH or NAME=PATH, whose drafts are verified by the policy named `verify` (domino.scheduler);
+    `lookup_ngram` overrides the checkpoint's context lookup (0: the learned drafter alone)."""
     if spec == "autoregressive":
         return Method(spec, target, SpeculativeDecoder(target, None), sampling=sampling)
     if spec == "oracle":
@@ -74,5 +76,7 @@ def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "
         raise DominoError(f"unknown method '{spec}': use one of {', '.join(BUILTIN)}, or a drafter checkpoint "
                           f"folder (PATH or NAME=PATH)")
     drafter = Drafter.from_pretrained(path, target)
+    if lookup_ngram is not None:
+        drafter.config = dataclasses.replace(drafter.config, lookup_ngram=lookup_ngram)
     decoder = SpeculativeDecoder(target, drafter, policy=make_policy(verify, target))
     return Method(name or Path(path).name, target, decoder, sampling=sampling)

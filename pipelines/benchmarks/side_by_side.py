@@ -49,6 +49,9 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
                         help="how many of its drafts a drafter's round verifies (threshold and confidence need "
                              "a confidence head; gated and confidence profile the target's steps per second "
                              "first and draft only while drafting pays)")
+    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+                        help="override the drafters' context lookup: copy drafts after repeats of up to N tokens "
+                             "(0: the learned drafter alone; default: each checkpoint's own setting)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (seeded)")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: turn t of conversation c samples with seed + 100 c + t")
     parser.add_argument("--out", default="results/bench", help="output folder")
@@ -145,7 +148,8 @@ def benchmark_command(argv: list[str], ablation: bool) -> int:
         drafters = train_ablation(args.train) if ablation else []
         target = Target.load(args.target)
         specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
-        methods = [make_method(spec, target, args.block_size, args.verify, args.sampling) for spec in specs]
+        methods = [make_method(spec, target, args.block_size, args.verify, args.sampling, args.lookup)
+                   for spec in specs]
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

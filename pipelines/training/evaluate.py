@@ -3,6 +3,7 @@ with the project's speculative decoder (greedy, so the output is the target's ow
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -20,9 +21,10 @@ from pipelines.training.config import PipelineConfig
 
 
 def measure_tau(target_path: str, drafter_uri: str | None, config: DrafterConfig, prompts: list[str],
-                max_new_tokens: int, device: str, seed: int) -> list[float]:
+                max_new_tokens: int, device: str, seed: int, lookup_ngram: int | None = None) -> list[float]:
     """tau per prompt for the drafter exported at `drafter_uri` (local path or s3://), or for an untrained
-    drafter built from `config` with the trainer's seed when `drafter_uri` is None."""
+    drafter built from `config` with the trainer's seed when `drafter_uri` is None; `lookup_ngram`
+    overrides the drafter's context lookup (0: the learned drafter alone)."""
     torch.set_num_threads(1)
     target = Target.load(target_path, device=device)
     if drafter_uri is None:
@@ -31,19 +33,21 @@ def measure_tau(target_path: str, drafter_uri: str | None, config: DrafterConfig
     else:
         with ray.train.Checkpoint(drafter_uri).as_directory() as folder:
             drafter = Drafter.from_pretrained(Path(folder), target)
+    if lookup_ngram is not None:
+        drafter.config = dataclasses.replace(drafter.config, lookup_ngram=lookup_ngram)
     decoder = SpeculativeDecoder(target, drafter)
     generation = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams())
     return [decoder.generate(target.encode_prompt(json.loads(p)), generation).stats.tau for p in prompts]
 
 
-def evaluate(cfg: PipelineConfig, target_path: str, drafters: dict[str, str | None], config: DrafterConfig,
-             prompts: list[str]) -> list[dict]:
+def evaluate(cfg: PipelineConfig, target_path: str, drafters: dict[str, tuple[str | None, int | None]],
+             config: DrafterConfig, prompts: list[str]) -> list[dict]:
     """One Ray task per drafter, side by side (one CPU each, and the feature actors' GPU share); rows for
-    the table."""
+    the table. `drafters`: name -> (checkpoint URI or None for an untrained one, lookup_ngram override or None)."""
     task = ray.remote(measure_tau).options(num_cpus=1, num_gpus=cfg.feature_gpus)
     device = "cuda" if cfg.feature_gpus else "cpu"
-    pending = {name: task.remote(target_path, uri, config, prompts, cfg.eval_max_new_tokens, device, cfg.seed)
-               for name, uri in drafters.items()}
+    pending = {name: task.remote(target_path, uri, config, prompts, cfg.eval_max_new_tokens, device, cfg.seed, lookup)
+               for name, (uri, lookup) in drafters.items()}
     rows = []
     for name, ref in pending.items():
         taus = ray.get(ref)
