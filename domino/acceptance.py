@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from domino.drafter import ContextCache, Draft, Drafter
-from domino.lookup import TokenHistory
 from domino.sampling import GREEDY, RowSampling
 
 
@@ -30,10 +29,8 @@ def drafts_from_scratch(drafter: Drafter, features: torch.Tensor, ids: torch.Ten
     cache.values = [v.expand(count, -1, -1, -1) for v in cache.values]
     valid = torch.arange(t, device=ids.device)[None] < anchors[:, None]
     sampling = sampling or RowSampling([GREEDY] * count, [None] * count)
-    histories = None
-    if drafter.config.lookup_ngram:  # each anchor's text: the sequence up to and including it
-        text = ids.tolist()
-        histories = [TokenHistory(drafter.config.lookup_ngram, text[:a + 1]) for a in anchors.tolist()]
+    text = ids.tolist()  # each anchor's text for the context lookup: the sequence up to and including it
+    histories = [drafter.new_history(text[:a + 1]) for a in anchors.tolist()] if drafter.config.lookup_ngram else None
     return drafter.draft(cache, ids[anchors], sampling, positions=anchors, valid=valid, histories=histories)
 
 

@@ -34,7 +34,10 @@ class DrafterConfig:
     confidence_head: bool = False
     num_layers: int = 1
     draft_vocab_size: int = 0  # tokens the drafter scores (its most frequent in training); 0: the target's whole vocabulary
-    lookup_ngram: int = 0  # copy drafts from the request's own text after repeats of its last n <= this many tokens (0: off)
+    # copy drafts from the request's own text after a repeat of its last n <= this many tokens (0: off); a decoding
+    # option, not part of what was trained, so a run may resume with another value
+    lookup_ngram: int = field(default=0, compare=False)
+    lookup_min_ngram: int = field(default=2, compare=False)  # the shortest repeat a copy may follow
     rank: int = 256  # low rank of the head's logit residual
     gru_hidden: int = 256  # state size of the Domino GRU / DSpark RNN head
     num_attention_heads: int = 8
@@ -73,6 +76,9 @@ class DrafterConfig:
                               f"{self.target_vocab_size}, got {self.draft_vocab_size}")
         if not 0 <= self.lookup_ngram <= 16:
             raise DominoError(f"lookup_ngram must be between 0 (off) and 16, got {self.lookup_ngram}")
+        if self.lookup_min_ngram < 1 or (self.lookup_ngram and self.lookup_min_ngram > self.lookup_ngram):
+            raise DominoError(f"lookup_min_ngram must be between 1 and lookup_ngram ({self.lookup_ngram}), "
+                              f"got {self.lookup_min_ngram}")
         for name in ("rank", "gru_hidden", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise DominoError(f"{name} must be positive, got {getattr(self, name)}")

@@ -284,6 +284,12 @@ class Drafter(nn.Module):
         return ids
 
     # -- drafting ----------------------------------------------------------------------------------
+    def new_history(self, tokens: list[int]) -> TokenHistory | None:
+        """A request's text indexed for the context lookup (None when the drafter does not look up)."""
+        if not self.config.lookup_ngram:
+            return None
+        return TokenHistory(self.config.lookup_ngram, tokens, self.config.lookup_min_ngram)
+
     def extend_context(self, cache: ContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache."""
         cache.append(self.context_kv(features, positions))

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from domino.drafter import ContextCache, Draft, Drafter
 from domino.errors import DominoError
-from domino.lookup import TokenHistory
 from domino.batch_caches import BatchCaches
 from domino.requests import GenerationConfig, GenerationResult, RequestState, TokenLogprob
 from domino.sampling import ACCEPT, TARGET, RowSampling
@@ -138,8 +137,7 @@ class DecodingEngine:
             begin = time.perf_counter()
             context = ContextCache(project=self.drafter.context_kv)
             self.drafter.extend_context(context, out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
-            if self.drafter.config.lookup_ngram:
-                state.history = TokenHistory(self.drafter.config.lookup_ngram, state.prompt)
+            state.history = self.drafter.new_history(state.prompt)
             state.stats.draft_s += time.perf_counter() - begin
         tokens, text = state.commit([first], logprobs) if first is not None else ([], "")
         if not state.finished:

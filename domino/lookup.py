@@ -11,10 +11,12 @@ mass given its prefix, and verification (greedy match or rejection sampling) sta
 
 from __future__ import annotations
 
-# Survival estimates of copied drafts for confidence-scheduled verification: the first copied position,
-# and each one after an accepted copy. Measured on the target's greedy answers to 22 held-out ShareGPT
-# prompts (docs/benchmarks.md, context lookup): 0.46 at the first, 0.69-0.90 after it.
-FIRST_COPY_CONFIDENCE = 0.45
+# Survival estimates of copied drafts for confidence-scheduled verification: the first copy of a round
+# by the length of the match it follows (longer matches are likelier right), and each copy after an
+# accepted one. Measured on the target's greedy answers to 22 held-out ShareGPT prompts
+# (docs/benchmarks.md, context lookup): the first copy survives 24 % of the time after a 1-token match,
+# 49 % after 2 and 74 % after 3; a copy after an accepted copy 69-90 %.
+FIRST_COPY_CONFIDENCE = {1: 0.24, 2: 0.49, 3: 0.74}
 NEXT_COPY_CONFIDENCE = 0.75
 
 
@@ -22,8 +24,8 @@ class TokenHistory:
     """A request's tokens so far (prompt and output), indexed by where each n-gram (n <= max_n) ended last
     and the time before, so that a lookup costs max_n dictionary reads whatever the text's length."""
 
-    def __init__(self, max_n: int, tokens=()):
-        self.max_n = max_n
+    def __init__(self, max_n: int, tokens=(), min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}
         self.before_last: dict[tuple[int, ...], int] = {}
@@ -39,19 +41,19 @@ class TokenHistory:
                     self.before_last[key] = self.last[key]
                 self.last[key] = end
 
-    def source(self, drafted: list[int]) -> int | None:
-        """Where in tokens + drafted the copy of the next token is: just after the latest occurrence in
-        the committed tokens, before the suffix itself, of the longest suffix (n <= max_n) of tokens +
-        drafted that has one; None without one."""
+    def source(self, drafted: list[int]) -> tuple[int, int] | None:
+        """Where in tokens + drafted the copy of the next token is, and the length of the match it follows:
+        just after the latest occurrence in the committed tokens, before the suffix itself, of the
+        longest suffix (min_n <= n <= max_n) of tokens + drafted that has one; None without one."""
         end = len(self.tokens) + len(drafted) - 1
         tail = (self.tokens[-self.max_n:] + drafted)[-self.max_n:]
-        for n in range(min(self.max_n, len(tail)), 0, -1):
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             key = tuple(tail[-n:])
             found = self.last.get(key)
             if found == end:  # the suffix itself, when it lies in the committed text
                 found = self.before_last.get(key)
             if found is not None:
-                return found + 1
+                return found + 1, n
         return None
 
 
@@ -63,7 +65,8 @@ class CopyRun:
         self.history = history
         self.drafted: list[int] = []
         self.at: int | None = None  # index in tokens + drafted of the token to copy next
-        self.copied = 0  # copies so far this round
+        self.matched = 0  # length of the match the current copies follow
+        self.copied = 0  # copies in the current run
 
     def _token(self, index: int) -> int:
         tokens = self.history.tokens
@@ -71,7 +74,7 @@ class CopyRun:
 
     def proposal(self) -> int | None:
         if self.at is None:
-            self.at = self.history.source(self.drafted)
+            self.at, self.matched = self.history.source(self.drafted) or (None, 0)
         return None if self.at is None else self._token(self.at)
 
     def push(self, token: int) -> None:
@@ -79,10 +82,14 @@ class CopyRun:
             self.at += 1
             self.copied += 1
         else:
-            self.at = None
+            self.at, self.copied = None, 0
         self.drafted.append(token)
 
     @property
     def confidence(self) -> float:
-        """The survival estimate of the copy `proposal` returned."""
-        return NEXT_COPY_CONFIDENCE if self.copied else FIRST_COPY_CONFIDENCE
+        """The survival estimate of the copy `proposal` returned (0 when it returned none)."""
+        if self.at is None:
+            return 0.0
+        if self.copied:
+            return NEXT_COPY_CONFIDENCE
+        return FIRST_COPY_CONFIDENCE[min(self.matched, max(FIRST_COPY_CONFIDENCE))]

@@ -70,7 +70,7 @@ def test_greedy_output_equals_target_with_random_drafters(target, head):
 def test_greedy_output_equals_target_with_context_lookup(target):
     """Copies from the text replace some drafts (random targets repeat themselves too); the output stays the
     target's, and the copies are what lets a random drafter's rounds accept several drafts."""
-    drafter = tiny_drafter(target, head="markov", seed=8, lookup_ngram=3).double()
+    drafter = tiny_drafter(target, head="markov", seed=8, lookup_ngram=3, lookup_min_ngram=1).double()
     plain = tiny_drafter(target, head="markov", seed=8).double()
     accepted = {}
     for name, decoder in (("lookup", SpeculativeDecoder(target, drafter)), ("plain", SpeculativeDecoder(target, plain))):

@@ -231,7 +231,7 @@ def test_gated_engine_stays_exact(target, gated, lookup):
     in which every row can copy draft whatever the gate says."""
     policy = gated(SPSProfile(tokens=[1, 1000], seconds=[1e-4, 1e-4 + 999 * 1e-7]))
     drafter = tiny_drafter(target, head="domino", confidence_head=gated is ConfidenceScheduler, block_size=4,
-                           lookup_ngram=lookup).double()
+                           lookup_ngram=lookup, lookup_min_ngram=1).double()
     engine = DecodingEngine(target, drafter, policy=policy)
     prompts = list(random_prompts(4, seed=9))
     budgets = [30, 12, 22, 16]

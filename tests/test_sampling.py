@@ -118,7 +118,7 @@ def engines(target):
         "full-markov": lambda: DecodingEngine(target, tiny_drafter(target, head="markov", block_size=3, seed=4).double()),
         "full-reduced": lambda: DecodingEngine(target, reduced_drafter(target)),
         "full-lookup": lambda: DecodingEngine(target, tiny_drafter(target, head="markov", block_size=3, seed=4,
-                                                                   lookup_ngram=2).double()),
+                                                                   lookup_ngram=2, lookup_min_ngram=1).double()),
         "threshold": lambda: DecodingEngine(target, drafter(True), policy=ThresholdVerify(0.05)),
         "confidence": lambda: DecodingEngine(target, drafter(True), policy=ConfidenceScheduler(FAST, padded=False)),
     }

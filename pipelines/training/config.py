@@ -67,6 +67,7 @@ class PipelineConfig(BaseModel):
     rank: int = Field(64, ge=1, description="rank of the head's logit correction")
     draft_vocab_size: int = Field(8192, ge=0, description="the drafter scores only this many of the most frequent response tokens (0: the target's whole vocabulary)")
     lookup_ngram: int = Field(3, ge=0, le=16, description="drafts also copy from the request's own text after a repeat of its last n <= this many tokens (0: the learned drafter alone)")
+    lookup_min_ngram: int = Field(2, ge=1, le=16, description="the shortest repeat a copy may follow (on CPU a copy after a 1-token repeat is right too rarely to pay for its verification)")
     confidence_head: bool = Field(True, description="also train DSpark's confidence head")
     labels: Literal["data", "target"] = Field("target", description="what each position learns: the data's next token, or the target's own greedy choice there (one forward, no generation)")
     distill: bool = Field(False, description="DSpark loss: 0.1 CE + 0.9 TV to the target's distribution (streams final hidden states too)")

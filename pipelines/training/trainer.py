@@ -36,7 +36,8 @@ def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
     return DrafterConfig.for_target(target, num_layers=cfg.draft_layers, layer_ids=cfg.target_layer_ids,
                                     block_size=cfg.block_size, head=cfg.head, rank=cfg.rank,
                                     confidence_head=cfg.confidence_head, draft_vocab_size=cfg.draft_vocab_size,
-                                    label_convention=cfg.label_convention, lookup_ngram=cfg.lookup_ngram)
+                                    label_convention=cfg.label_convention, lookup_ngram=cfg.lookup_ngram,
+                                    lookup_min_ngram=cfg.lookup_min_ngram)
 
 
 def train_config(cfg: PipelineConfig) -> TrainConfig:
