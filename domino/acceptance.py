@@ -29,8 +29,10 @@ def drafts_from_scratch(drafter: Drafter, features: torch.Tensor, ids: torch.Ten
     cache.values = [v.expand(count, -1, -1, -1) for v in cache.values]
     valid = torch.arange(t, device=ids.device)[None] < anchors[:, None]
     sampling = sampling or RowSampling([GREEDY] * count, [None] * count)
-    text = ids.tolist()  # each anchor's text for the context lookup: the sequence up to and including it
-    histories = [drafter.new_history(text[:a + 1]) for a in anchors.tolist()] if drafter.config.lookup_ngram else None
+    histories = None
+    if drafter.config.lookup_ngram:  # each anchor's text for the context lookup: the sequence up to and including it
+        text = ids.tolist()
+        histories = [drafter.new_history(text[:a + 1]) for a in anchors.tolist()]
     return drafter.draft(cache, ids[anchors], sampling, positions=anchors, valid=valid, histories=histories)
 
 

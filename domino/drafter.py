@@ -320,12 +320,12 @@ class Drafter(nn.Module):
         copies from its own text wherever that text repeats itself (domino.lookup); a copy's distribution
         is a point mass. When every row copies from the first position on, the backbone is not run."""
         cache.catch_up()
-        runs = [CopyRun(h) for h in histories] if self.config.lookup_ngram and histories is not None else None
-        if runs is not None and all(run.proposal() is not None for run in runs):
-            return self._copied(runs, sampling, screen)
         n, block, silent = anchors.shape[0], self.config.block_size, self.config.silent_slots
         if silent and needed is not None:
             block = min(block, needed + silent)
+        runs = [CopyRun(h) for h in histories] if self.config.lookup_ngram and histories is not None else None
+        if runs is not None and all(run.proposal() is not None for run in runs):
+            return self._copied(runs, block - silent, sampling, screen)
         offsets = torch.arange(block, device=anchors.device)
         if positions is None:
             positions = torch.full((n,), cache.length, device=anchors.device)
@@ -364,13 +364,13 @@ class Drafter(nn.Module):
             confidence=torch.stack(confidence, dim=1) if confidence else None,
         )
 
-    def _copied(self, runs: list[CopyRun], sampling: RowSampling,
+    def _copied(self, runs: list[CopyRun], drafts: int, sampling: RowSampling,
                 screen: Callable[[torch.Tensor], bool] | None) -> Draft | None:
-        """A round in which every row copies its whole block: no backbone, no LM head."""
+        """A round in which every row copies all its `drafts` proposals: no backbone, no LM head."""
         device = self.fc.weight.device
         copies = _Copies(runs, device)
         confidence, tokens = [], []
-        for k in range(self.config.num_drafts):
+        for k in range(drafts):
             if self.confidence is not None:
                 confidence.append(copies.confidence(self.fc.weight.new_zeros(len(runs))))
                 if k == 0 and screen is not None and not screen(confidence[0]):

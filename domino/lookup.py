@@ -1,7 +1,7 @@
 """Drafts copied from a request's own text (context lookup), beside the learned drafter.
 
 Small targets writing greedily repeat themselves and their prompts: names, numbers, whole phrases. Where
-the text's last n tokens (n <= max_n, the longest first) occurred before, the tokens that followed that
+the text's last n tokens (min_n <= n <= max_n, the longest first) occurred before, the tokens that followed that
 occurrence are a cheap and often right proposal, as in prompt-lookup decoding and suffix decoding. In a
 round, a row copies from the first block position whose prefix matches, and once it copies it goes on
 copying the tokens after the source to the end of the block; positions before that keep the drafter's
