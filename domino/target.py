@@ -249,4 +249,9 @@ class Target:
                 raise DominoError(f"target '{self.name}' has no chat template: pass a plain prompt (--no-chat)")
             encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not ids:  # text that tokenises to nothing (a lone control character) starts from the start token,
+            start = self.tokenizer.bos_token_id  # as OpenAI's completions start an empty prompt
+            start = self.tokenizer.eos_token_id if start is None else start
+            ids = [] if start is None else [start]
+        return ids

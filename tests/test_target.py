@@ -118,3 +118,12 @@ def test_embedded_target_loads_and_chats(embedded_target):
     ids = target.encode_prompt("What is 2+2?")
     assert ids[:2] == target.tokenizer("<|im_start|>system")["input_ids"][:2]
     assert target.stop_token_ids == [target.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_text_that_tokenises_to_nothing_starts_from_the_start_token(embedded_target):
+    """A non-empty prompt can tokenise to no ids (a lone control character); the server's schema accepts
+    it, so it must not fail as an empty prompt: it starts from the start token, as OpenAI's API does."""
+    tokenizer = embedded_target.tokenizer
+    assert tokenizer("\u0016", add_special_tokens=True)["input_ids"] == []
+    assert embedded_target.encode_prompt("\u0016", chat=False) == [tokenizer.bos_token_id]
+    assert embedded_target.encode_prompt("Hello", chat=False) == tokenizer("Hello")["input_ids"]
