@@ -9,7 +9,7 @@ attends to all context and to itself without a causal mask.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -147,8 +147,8 @@ class _Copies:
 
     def __init__(self, runs: list[CopyRun] | None, device: torch.device):
         self.runs, self.device = runs, device
-        proposals = [run.proposal() for run in runs] if runs else []
-        self._update(proposals)
+        if runs:
+            self._update([run.proposal() for run in runs])
 
     def _update(self, proposals: list[int | None]) -> None:
         self.copying = torch.tensor([p is not None for p in proposals], dtype=torch.bool, device=self.device)
@@ -284,6 +284,11 @@ class Drafter(nn.Module):
         return ids
 
     # -- drafting ----------------------------------------------------------------------------------
+    def set_lookup(self, ngram: int) -> None:
+        """Change the context lookup's longest repeat (0: the learned drafter alone); it is a decoding option,
+        so a trained drafter can be measured with and without it."""
+        self.config = replace(self.config, lookup_ngram=ngram)
+
     def new_history(self, tokens: list[int]) -> TokenHistory | None:
         """A request's text indexed for the context lookup (None when the drafter does not look up)."""
         if not self.config.lookup_ngram:

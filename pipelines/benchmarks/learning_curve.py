@@ -222,9 +222,9 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
         window.add(out.metrics)
         if (step + 1) % every == 0 or step + 1 == steps:
             tau, by_position = held_out_acceptance(drafter, held_out)
-            drafter.config = dataclasses.replace(drafter.config, lookup_ngram=LOOKUP_NGRAM)
+            drafter.set_lookup(LOOKUP_NGRAM)
             tau_lookup, _ = held_out_acceptance(drafter, held_out)
-            drafter.config = dataclasses.replace(drafter.config, lookup_ngram=0)
+            drafter.set_lookup(0)
             train_tau = window.summary()["tau"]
             window.reset()
             curve.points.append({"step": step + 1, "minutes": spent / 60, "tokens": tokens, "tau": tau,

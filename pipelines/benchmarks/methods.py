@@ -8,7 +8,6 @@ rerun draws the same numbers (speculative sampling is exact in distribution, not
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +76,6 @@ def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "
                           f"folder (PATH or NAME=PATH)")
     drafter = Drafter.from_pretrained(path, target)
     if lookup_ngram is not None:
-        drafter.config = dataclasses.replace(drafter.config, lookup_ngram=lookup_ngram)
+        drafter.set_lookup(lookup_ngram)
     decoder = SpeculativeDecoder(target, drafter, policy=make_policy(verify, target))
     return Method(name or Path(path).name, target, decoder, sampling=sampling)

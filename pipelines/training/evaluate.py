@@ -3,7 +3,6 @@ with the project's speculative decoder (greedy, so the output is the target's ow
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -34,7 +33,7 @@ def measure_tau(target_path: str, drafter_uri: str | None, config: DrafterConfig
         with ray.train.Checkpoint(drafter_uri).as_directory() as folder:
             drafter = Drafter.from_pretrained(Path(folder), target)
     if lookup_ngram is not None:
-        drafter.config = dataclasses.replace(drafter.config, lookup_ngram=lookup_ngram)
+        drafter.set_lookup(lookup_ngram)
     decoder = SpeculativeDecoder(target, drafter)
     generation = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams())
     return [decoder.generate(target.encode_prompt(json.loads(p)), generation).stats.tau for p in prompts]
