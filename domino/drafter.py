@@ -139,6 +139,7 @@ class Draft:
     tokens: torch.Tensor  # (n, m): proposals (target ids) for the m positions after the anchor (m = config.num_drafts or fewer)
     probs: torch.Tensor | None  # (n, m, target vocab): the distribution each proposal was drawn from (None if greedy)
     confidence: torch.Tensor | None  # (n, m): survival probabilities, when the drafter has a confidence head
+    copied: torch.Tensor | None = None  # (n, m) bool: proposals copied from the row's text (context lookup)
 
 
 class _Copies:
@@ -153,6 +154,10 @@ class _Copies:
     def _update(self, proposals: list[int | None]) -> None:
         self.copying = torch.tensor([p is not None for p in proposals], dtype=torch.bool, device=self.device)
         self.tokens = torch.tensor([p or 0 for p in proposals], dtype=torch.long, device=self.device)
+
+    def mask(self, n: int) -> torch.Tensor:
+        """(n,) bool: which rows copy at this position."""
+        return self.copying if self.runs else torch.zeros(n, dtype=torch.bool, device=self.device)
 
     def take(self, drafted: torch.Tensor) -> torch.Tensor:
         """The tokens at this position: copies where a row copies, `drafted` elsewhere."""
@@ -320,6 +325,8 @@ class Drafter(nn.Module):
         `screen` (drafters with a confidence head) sees the first position's survival estimates (n,),
         which need no logits, and answers whether any draft is worth verifying. When none is, the round
         ends there (None), skipping the LM head over n x B positions: at large batch the costliest part.
+        Rounds in which a row copies from the first position are not screened: a copy run is worth
+        judging whole (domino.scheduler).
 
         `histories` (each row's text so far, ending with its anchor): with `config.lookup_ngram`, a row
         copies from its own text wherever that text repeats itself (domino.lookup); a copy's distribution
@@ -330,7 +337,7 @@ class Drafter(nn.Module):
             block = min(block, needed + silent)
         runs = [CopyRun(h) for h in histories] if self.config.lookup_ngram and histories is not None else None
         if runs is not None and all(run.proposal() is not None for run in runs):
-            return self._copied(runs, block - silent, sampling, screen)
+            return self._copied(runs, block - silent, sampling)
         offsets = torch.arange(block, device=anchors.device)
         if positions is None:
             positions = torch.full((n,), cache.length, device=anchors.device)
@@ -344,11 +351,12 @@ class Drafter(nn.Module):
         confidence = []
         if self.confidence is not None:
             confidence.append(copies.confidence(torch.sigmoid(self.confidence(h[:, 0], prev_embed))))
-            if screen is not None and not screen(confidence[0]):
+            # the screen judges first drafts alone; a row copying from the start is judged by its whole run
+            if screen is not None and not bool(copies.mask(n).any()) and not screen(confidence[0]):
                 return None
         base = self.lm_head(h)
         state = self.head.initial_state(n, h) if self.head is not None else None
-        tokens, probs = [], []
+        tokens, probs, copied = [], [], []
         for k in range(h.shape[1]):
             if k:
                 prev_embed = self.embed(prev)
@@ -362,24 +370,24 @@ class Drafter(nn.Module):
             prev = copies.take(self.to_target_ids(choice))
             tokens.append(prev)
             probs.append(None if p is None else copies.distribution(self.on_target_vocabulary(p), prev))
+            copied.append(copies.mask(n))
             copies.push(prev)
         return Draft(
             tokens=torch.stack(tokens, dim=1),
             probs=None if sampling.all_greedy else torch.stack(probs, dim=1),
             confidence=torch.stack(confidence, dim=1) if confidence else None,
+            copied=torch.stack(copied, dim=1) if runs is not None else None,
         )
 
-    def _copied(self, runs: list[CopyRun], drafts: int, sampling: RowSampling,
-                screen: Callable[[torch.Tensor], bool] | None) -> Draft | None:
-        """A round in which every row copies all its `drafts` proposals: no backbone, no LM head."""
+    def _copied(self, runs: list[CopyRun], drafts: int, sampling: RowSampling) -> Draft:
+        """A round in which every row copies all its `drafts` proposals: no backbone, no LM head, and so
+        nothing for a screen to save."""
         device = self.fc.weight.device
         copies = _Copies(runs, device)
         confidence, tokens = [], []
-        for k in range(drafts):
+        for _ in range(drafts):
             if self.confidence is not None:
                 confidence.append(copies.confidence(self.fc.weight.new_zeros(len(runs))))
-                if k == 0 and screen is not None and not screen(confidence[0]):
-                    return None
             tokens.append(copies.take(torch.zeros(len(runs), dtype=torch.long, device=device)))
             copies.push(tokens[-1])
         tokens = torch.stack(tokens, dim=1)
@@ -387,6 +395,7 @@ class Drafter(nn.Module):
             tokens=tokens,
             probs=None if sampling.all_greedy else F.one_hot(tokens, self.config.target_vocab_size).float(),
             confidence=torch.stack(confidence, dim=1) if confidence else None,
+            copied=torch.ones_like(tokens, dtype=torch.bool),
         )
 
     # -- checkpoints -------------------------------------------------------------------------------

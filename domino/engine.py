@@ -227,7 +227,7 @@ class DecodingEngine:
         if tried:
             draft = self._propose(states, anchors, positions, sampling, caps)
             if draft is not None:
-                lengths = self.policy.lengths(caps, draft.confidence)
+                lengths = self.policy.lengths(caps, draft.confidence, draft.copied)
         drafted = time.perf_counter()
 
         width = int(lengths.max())

@@ -6,6 +6,10 @@ c_{r,i}. Verifying l_r tokens of each request returns tau = sum_r (1 + sum_{j<=l
 per forward of B tokens, at SPS(B) forwards per second; DSpark admits (r, j) in order of a_{r,j} while
 Theta = tau * SPS(B) does not drop. Every rule here looks only at confidences, which depend on the
 tokens before the one being judged, so cutting a draft short never changes the output distribution.
+
+Copied drafts (domino.lookup) are the one place where a rule may look further ahead: a copy run's
+confidences are fixed when the run starts, by the text before it, so judging its first copy by the
+whole run's worth still reads nothing of the tokens being judged.
 """
 
 from __future__ import annotations
@@ -68,7 +72,10 @@ class VerifyPolicy:
     def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
         """What the round just run cost and returned."""
 
-    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None,
+                copied: torch.Tensor | None = None) -> torch.Tensor:
+        """Drafts to verify per row (n,), at most `caps`; `copied` (n, m) marks the drafts copied from
+        the row's text (Draft.copied)."""
         raise NotImplementedError
 
     def admits_any(self, caps: torch.Tensor, first_confidence: torch.Tensor) -> bool:
@@ -81,7 +88,8 @@ class VerifyPolicy:
 class FullVerify(VerifyPolicy):
     """Verify every drafted token (up to each request's remaining budget)."""
 
-    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None) -> torch.Tensor:
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None,
+                copied: torch.Tensor | None = None) -> torch.Tensor:
         return caps
 
 
@@ -92,7 +100,8 @@ class ThresholdVerify(VerifyPolicy):
     threshold: float = 0.3
     needs_confidence = True
 
-    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor,
+                copied: torch.Tensor | None = None) -> torch.Tensor:
         survive = torch.cumprod(confidence, dim=1) >= self.threshold
         return torch.minimum(survive.long().cumprod(dim=1).sum(dim=1), caps)
 
@@ -172,7 +181,12 @@ class ConfidenceScheduler(GatedPolicy):
     """DSpark's greedy admission. `padded`: the verify forward runs every row at the batch's longest
     length, so the cost is rows * (1 + max l); verifying up to that length is then free for every row,
     and rows are topped up to it. With padded=False the cost is sum_r (1 + l_r), as in a ragged backend.
-    A SpeculationGate skips drafting while it does not pay."""
+    A SpeculationGate skips drafting while it does not pay.
+
+    Where admitting a draft alone would lower Theta, a copied draft is also tried with the rest of its
+    copy run: on a CPU, a verify of 2 tokens costs about as much as one of 16, so a single copy rarely
+    pays for the step while the run does. A draft admitted neither way closes its row (DSpark's first
+    drop; other rows go on, which only matters for such runs)."""
 
     padded: bool = True
     needs_confidence = True
@@ -182,25 +196,35 @@ class ConfidenceScheduler(GatedPolicy):
             return int(lengths.numel() * (1 + lengths.max()))
         return int((1 + lengths).sum())
 
-    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
-        survive = torch.cumprod(confidence.double(), dim=1)  # a_{r,j}
-        rows, cols = survive.shape
+    def lengths(self, caps: torch.Tensor, confidence: torch.Tensor,
+                copied: torch.Tensor | None = None) -> torch.Tensor:
+        survive = torch.cumprod(confidence.double(), dim=1).tolist()  # a_{r,j}
+        copies = copied.tolist() if copied is not None else None
+        rows, device, caps = len(survive), caps.device, caps.cpu()
         lengths = torch.zeros(rows, dtype=torch.long)
         tau = float(rows)  # every row commits at least one token
         theta = tau * self.sps(self.cost(lengths))
-        candidates = sorted(((-float(survive[r, j]), j, r) for r in range(rows) for j in range(int(caps[r]))))
-        for negative_a, j, r in candidates:
-            if j != lengths[r]:  # a position is admitted only after its whole prefix
+        closed: set[int] = set()
+        candidates = sorted((-survive[r][j], j, r) for r in range(rows) for j in range(int(caps[r])))
+        for _, j, r in candidates:
+            if r in closed or j != lengths[r]:  # a position is admitted only after its whole prefix
                 continue
-            lengths[r] += 1
-            new_theta = (tau - negative_a) * self.sps(self.cost(lengths))
-            if new_theta < theta:  # the first drop ends admission
-                lengths[r] -= 1
-                break
-            tau, theta = tau - negative_a, new_theta
+            ends = [j + 1]
+            if copies is not None and copies[r][j] and int(caps[r]) > j + 1:
+                ends.append(int(caps[r]))  # the copy run to the row's cap: copies run to the block's end
+            for end in ends:
+                lengths[r] = end
+                gain = sum(survive[r][j:end])
+                new_theta = (tau + gain) * self.sps(self.cost(lengths))
+                if new_theta >= theta:
+                    tau, theta = tau + gain, new_theta
+                    break
+            else:
+                lengths[r] = j
+                closed.add(r)
         if self.padded:
-            lengths = torch.minimum(lengths.max().expand(rows), caps.cpu())
-        return lengths.to(caps.device)
+            lengths = torch.minimum(lengths.max().expand(rows), caps)
+        return lengths.to(device)
 
 
 POLICIES = ("full", "gated", "threshold", "confidence")

@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from domino.engine import DecodingEngine
 from domino.errors import DominoError
@@ -138,6 +140,70 @@ def test_scheduler_admits_by_survival_and_stops_at_the_first_drop():
     steps = SPSProfile(tokens=[1, 2, 3, 12, 100], seconds=[1.0, 2.0, 2.0, 2.0, 2.0])
     confidence = torch.tensor([[0.4, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
     assert ConfidenceScheduler(steps, padded=False).lengths(torch.tensor([8]), confidence).tolist() == [0]
+
+
+def test_a_copy_run_is_judged_whole_where_its_first_copy_alone_would_not_pay():
+    """This CPU's cost shape: a 2-token verify costs what a 16-token one does. A copy run (confidences
+    fixed by the text) is admitted to the cap as a whole; the same confidences on learned drafts, whose
+    later confidences read the drafts before them, stop at the first drop."""
+    step = SPSProfile(tokens=[1, 2, 1000], seconds=[1.0, 2.0, 2.0])
+    strong, copied = torch.tensor([[0.74] + [0.75] * 6]), torch.tensor([[True] * 7])
+    scheduler = ConfidenceScheduler(step, padded=False)
+    assert scheduler.lengths(torch.tensor([7]), strong).tolist() == [0]
+    assert scheduler.lengths(torch.tensor([7]), strong, copied).tolist() == [7]  # 1 + 2.57 tokens for 2 steps
+    assert scheduler.lengths(torch.tensor([1]), strong, copied).tolist() == [0]  # a run of one is one copy
+    weak = torch.tensor([[0.24] + [0.75] * 6])  # 1 + 0.83 tokens for 2 steps
+    assert scheduler.lengths(torch.tensor([7]), weak, copied).tolist() == [0]
+    # a copy run that starts after learned drafts is judged whole from its first copy (here the step
+    # comes after 3 tokens, so the two learned drafts pay alone)
+    later, run = torch.tensor([[0.99, 0.99] + [0.9] * 5]), torch.tensor([[False, False] + [True] * 5])
+    wide_step = ConfidenceScheduler(SPSProfile(tokens=[1, 3, 4, 1000], seconds=[1.0, 1.0, 2.0, 2.0]), padded=False)
+    assert wide_step.lengths(torch.tensor([7]), later).tolist() == [2]
+    assert wide_step.lengths(torch.tensor([7]), later, run).tolist() == [7]
+
+
+def test_a_drop_closes_only_its_own_row():
+    """Row 1's learned first draft comes first and lowers Theta: its row closes, and row 0's copy run,
+    judged after it, is still admitted (padded: row 1 is then verified to the same length for free)."""
+    step = SPSProfile(tokens=[1, 2, 3, 1000], seconds=[1.0, 1.0, 2.0, 2.0])  # two rows alone cost 2 tokens
+    confidence = torch.tensor([[0.74] + [0.75] * 6, [0.8] + [0.75] * 6])
+    copied = torch.tensor([[True] * 7, [False] * 7])
+    caps = torch.tensor([7, 7])
+    assert ConfidenceScheduler(step, padded=False).lengths(caps, confidence, copied).tolist() == [7, 0]
+    assert ConfidenceScheduler(step, padded=True).lengths(caps, confidence, copied).tolist() == [7, 7]
+    assert ConfidenceScheduler(step, padded=False).lengths(caps, confidence).tolist() == [0, 0]
+
+
+def copy_rows(draw, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random confidences and copy masks shaped as drafts are: a row copies from some position to the end."""
+    confidence = torch.tensor([[draw(st.floats(0.3, 1.0)) for _ in range(cols)] for _ in range(rows)])
+    starts = [draw(st.integers(0, cols + 1)) for _ in range(rows)]  # > cols - 1: no copies
+    return confidence, torch.arange(cols)[None, :] >= torch.tensor(starts)[:, None]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 3), cols=st.integers(1, 6), padded=st.booleans(),
+       profile=st.sampled_from([LINEAR, SPSProfile([1, 2, 1000], [1.0, 2.0, 2.0]),
+                                SPSProfile([1, 3, 4, 1000], [1.0, 1.0, 1.6, 1.6])]))
+def test_whether_a_draft_is_verified_never_reads_the_drafts_from_it_on(data, rows, cols, padded, profile):
+    """What makes scheduled verification lossless at T > 0: whether draft j of a row is verified may read
+    the row's confidences up to j and, where j is a copy, its run's (fixed with the run, by the text
+    before it), but nothing that depends on draft j or later ones. So redrawing a row's later learned
+    confidences and where a later copy run starts never changes whether draft j is verified."""
+    confidence, copied = copy_rows(data.draw, rows, cols)
+    caps = torch.tensor([data.draw(st.integers(0, cols)) for _ in range(rows)])
+    scheduler = ConfidenceScheduler(profile, padded=padded)
+    lengths = scheduler.lengths(caps, confidence, copied)
+    r = data.draw(st.integers(0, rows - 1))
+    for j in range(int(caps[r])):
+        if copied[r, j]:
+            continue  # the run's confidences and extent are known at j
+        other_confidence, other_copied = copy_rows(data.draw, 1, cols)
+        confidence2, copied2 = confidence.clone(), copied.clone()
+        confidence2[r, j + 1:] = other_confidence[0, j + 1:]
+        copied2[r, j + 1:] = other_copied[0, j + 1:]
+        redrawn = scheduler.lengths(caps, confidence2, copied2)
+        assert bool(redrawn[r] > j) == bool(lengths[r] > j), (r, j, lengths.tolist(), redrawn.tolist())
 
 
 def test_padded_scheduler_tops_rows_up_to_the_longest():
