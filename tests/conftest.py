@@ -15,6 +15,12 @@ torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The suite runs on 2 pytest-xdist workers, a file at a time (pyproject.toml). The longest files start
+# first, so that the last one to finish does not start late; within a file the order is kept. The
+# pipeline's file must also come before any test that starts the session's Ray cluster in the same
+# process: it connects this process to a `ray start` cluster of its own.
+LONGEST_FIRST = ["test_pipeline_ray.py", "test_serve.py", "test_sampling.py", "test_decoding.py"]
+
 # Settings for the session's Ray cluster: Serve's autoscaling metrics and the Prometheus export are
 # pushed every few seconds instead of every ten, so the autoscaling and metrics tests finish quickly.
 FAST_RAY_ENV = {
@@ -49,3 +55,10 @@ def ray_cluster():
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = Path(str(item.fspath)).name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: each file keeps its own order

@@ -10,6 +10,7 @@ from pipelines import bench
 from pipelines.benchmarks.methods import Output, make_method
 from pipelines.benchmarks.prompts import load_prompt_set
 from pipelines.benchmarks.report import Row, compare_with_baseline
+from helpers import tiny_drafter
 
 
 def trace(tokens, seconds, accept_lengths, proposed, accepted, draft=0.0, verify=0.0):
@@ -50,6 +51,19 @@ def test_tiny_end_to_end_run(tmp_path, embedded_target):
     assert rows[("oracle", "humaneval")]["tau"] > 1
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
     assert "| two | oracle |" in (out / "results.md").read_text()
+
+
+def test_several_verify_policies_run_side_by_side(tmp_path, embedded_target):
+    path = tmp_path / "drafter"
+    tiny_drafter(embedded_target, num_layers=1, confidence_head=True, lookup_ngram=2).save_pretrained(path)
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"turns": ["Repeat after me: one two three, one two three."]}) + "\n")
+    out = tmp_path / "out"
+    assert bench.main(["run", "--datasets", str(data), "--prompts", "1", "--max-new-tokens", "8", "--methods",
+                       f"d={path}", "--verify", "full", "threshold", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"autoregressive", "d (full)", "d (threshold)"}
+    assert all(r["lossless"] for r in rows.values())
 
 
 def test_sampled_run_is_seeded_and_claims_no_token_equality(tmp_path, embedded_target):

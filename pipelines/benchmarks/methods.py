@@ -9,7 +9,7 @@ rerun draws the same numbers (speculative sampling is exact in distribution, not
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -79,3 +79,13 @@ def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "
         drafter.set_lookup(lookup_ngram)
     decoder = SpeculativeDecoder(target, drafter, policy=make_policy(verify, target))
     return Method(name or Path(path).name, target, decoder, sampling=sampling)
+
+
+def make_methods(spec: str, target: Target, block_size: int, verify: list[str], sampling: SamplingParams = GREEDY,
+                 lookup_ngram: int | None = None) -> list[Method]:
+    """make_method, once per verify policy for a drafter checkpoint when `verify` names several (each then
+    named 'NAME (policy)'), so that policies are compared side by side in one run."""
+    if spec in BUILTIN or len(verify) == 1:
+        return [make_method(spec, target, block_size, verify[0], sampling, lookup_ngram)]
+    methods = [make_method(spec, target, block_size, policy, sampling, lookup_ngram) for policy in verify]
+    return [replace(method, name=f"{method.name} ({policy})") for method, policy in zip(methods, verify)]

@@ -29,7 +29,7 @@ from domino.errors import DominoError
 from domino.sampling import SamplingParams
 from domino.scheduler import POLICIES
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks.methods import BUILTIN, Method, make_method
+from pipelines.benchmarks.methods import BUILTIN, Method, make_methods
 from pipelines.benchmarks.prompts import EMBEDDED, PromptSet, load_prompt_set
 from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, markdown, write
 
@@ -45,10 +45,10 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=10, help="conversations per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
     parser.add_argument("--block-size", type=int, default=16, help="for the oracle")
-    parser.add_argument("--verify", choices=POLICIES, default="full",
+    parser.add_argument("--verify", choices=POLICIES, nargs="+", default=["full"],
                         help="how many of its drafts a drafter's round verifies (threshold and confidence need "
                              "a confidence head; gated and confidence profile the target's steps per second "
-                             "first and draft only while drafting pays)")
+                             "first and draft only while drafting pays); several: each drafter once per policy")
     parser.add_argument("--lookup", type=int, default=None, metavar="N",
                         help="override the drafters' context lookup: copy drafts after repeats of up to N tokens "
                              "(0: the learned drafter alone; default: each checkpoint's own setting)")
@@ -148,8 +148,8 @@ def benchmark_command(argv: list[str], ablation: bool) -> int:
         drafters = train_ablation(args.train) if ablation else []
         target = Target.load(args.target)
         specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
-        methods = [make_method(spec, target, args.block_size, args.verify, args.sampling, args.lookup)
-                   for spec in specs]
+        methods = [method for spec in specs
+                   for method in make_methods(spec, target, args.block_size, args.verify, args.sampling, args.lookup)]
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
