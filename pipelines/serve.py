@@ -9,7 +9,7 @@ engine replica and its events back, so a client whose engine replica dies mid-st
 error event, and a client that disconnects has its generation cancelled.
 
     serve run pipelines.serve:app                                   # the embedded target, no drafter
-    serve run pipelines.serve:build_app drafter=$HOME/domino-runs/smollm2-sharegpt/step_000400/drafter num_cpus=2
+    serve run pipelines.serve:build_app drafter=$HOME/domino-runs/smollm2-sharegpt/step_000320/drafter num_cpus=2
     serve deploy cluster/serve.yaml                                  # a running cluster, autoscaling
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent

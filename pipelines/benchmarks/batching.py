@@ -8,7 +8,7 @@ and alternating steps exposes every method to the same drift. Each engine serves
 cold (allocator, caches, the scheduler's gate still learning; its total is reported apart), then
 `--repeats` times timed, as a server that has been running would.
 
-    python -m pipelines.bench batching --drafter $HOME/domino-runs/smollm2-sharegpt/step_000400/drafter [--concurrency 1 4 16 32]
+    python -m pipelines.bench batching --drafter $HOME/domino-runs/smollm2-sharegpt/step_000320/drafter [--concurrency 1 4 16 32]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Decoding methods side by side on real prompt sets (`python -m pipelines.bench run` and `ablation`).
 
     python -m pipelines.bench run --datasets humaneval mt-bench gsm --methods autoregressive hf-generate \\
-        prompt-lookup oracle domino=$HOME/domino-runs/smollm2-sharegpt/step_000400/drafter --prompts 10 --max-new-tokens 128 --out results/bench
+        prompt-lookup oracle domino=$HOME/domino-runs/smollm2-sharegpt/step_000320/drafter --prompts 10 --max-new-tokens 128 --out results/bench
 
 Every method sees the same target, prompts and limits in one run; speedups are against plain
 autoregressive decoding from the same run. Greedy by default, where "lossless" says whether a

@@ -78,7 +78,7 @@ class PipelineConfig(BaseModel):
     trainer_cpus: float = Field(1, gt=0, description="CPUs per training worker")
     trainer_gpus: float = Field(1, gt=0, le=1, description="GPUs per training worker with use_gpu (below 1 shares a GPU with feature actors)")
     batch_size: int = Field(2, ge=1, description="sequences per step per worker")
-    steps: int = Field(400, ge=1, description="optimiser steps in total")
+    steps: int = Field(320, ge=1, description="optimiser steps in total")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (cosine schedule)")
     warmup_fraction: float = Field(0.04, ge=0, lt=1, description="fraction of steps warming up the learning rate")
     weight_decay: float = Field(0.0, ge=0)
