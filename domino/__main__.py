@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from domino.config import MAX_BLOCK_SIZE
 from domino.errors import DominoError
+from domino.scheduler import POLICIES
 from domino.target import DEFAULT_TARGET
 
 
@@ -32,10 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
     generate.add_argument("--block-size", type=int, default=None,
                           help="draft length for --drafter oracle (default 16); a checkpoint has its own")
-    generate.add_argument("--verify", choices=["full", "gated", "threshold"], default="full",
+    generate.add_argument("--verify", choices=POLICIES, default="full",
                           help="verify every draft (default); 'gated': every draft, but draft only while drafting "
                                "beats plain decoding (profiles the target first); 'threshold': stop where the "
-                               "confidence head's estimate that the prefix survives falls below --threshold")
+                               "confidence head's estimate that the prefix survives falls below --threshold; "
+                               "'confidence': DSpark's scheduling against the target's profiled speed (gated "
+                               "and confidence pay on CPUs, where a verify of a few tokens costs about two steps)")
     generate.add_argument("--threshold", type=float, default=0.3)
     export = commands.add_parser(
         "export", help="write a drafter in DFlash's or SGLang's Domino checkpoint format",
@@ -67,7 +71,8 @@ def run_generate(args: argparse.Namespace) -> None:
         drafter = None
     elif drafter != "oracle":
         drafter = Drafter.from_pretrained(drafter, target)
-    policy = make_policy(args.verify, target, threshold=args.threshold)
+    # one request verifies at most a block and its anchor: profile forwards up to that size
+    policy = make_policy(args.verify, target, threshold=args.threshold, max_tokens=MAX_BLOCK_SIZE)
     decoder = SpeculativeDecoder(target, drafter, block_size=args.block_size, policy=policy)
     prompt_ids = target.encode_prompt(args.prompt, chat=False if args.no_chat else None)
     result = decoder.generate(prompt_ids, config, on_tokens=lambda tokens, text: print(text, end="", flush=True))

@@ -193,3 +193,20 @@ def test_stop_strings_give_the_same_tokens_speculative_or_plain(embedded_target)
     decode = embedded_target.tokenizer.decode
     assert any(s in decode(oracle.tokens) for s in config.stop_strings)
     assert not any(s in decode(oracle.tokens[:-1]) for s in config.stop_strings)
+
+
+def test_command_line_generate_with_confidence_scheduling_prints_the_targets_own_text(embedded_target, tmp_path,
+                                                                                      capsys):
+    from domino.__main__ import main
+
+    path = tmp_path / "drafter"
+    tiny_drafter(embedded_target, num_layers=1, confidence_head=True, lookup_ngram=3).save_pretrained(path)
+    prompt = ["--prompt", "Repeat twice: the cat sat on the mat.", "--max-new-tokens", "24"]
+    main(["generate", "--drafter", "none", *prompt])
+    plain = capsys.readouterr().out
+    main(["generate", "--drafter", str(path), "--verify", "confidence", *prompt])
+    out, err = capsys.readouterr()
+    assert out == plain and "tau" in err
+    with pytest.raises(SystemExit):  # plain decoding has no confidence head to schedule by
+        main(["generate", "--drafter", "none", "--verify", "confidence", *prompt])
+    assert "confidence head" in capsys.readouterr().err
