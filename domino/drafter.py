@@ -155,9 +155,9 @@ class _Copies:
         self.copying = torch.tensor([p is not None for p in proposals], dtype=torch.bool, device=self.device)
         self.tokens = torch.tensor([p or 0 for p in proposals], dtype=torch.long, device=self.device)
 
-    def mask(self, n: int) -> torch.Tensor:
-        """(n,) bool: which rows copy at this position."""
-        return self.copying if self.runs else torch.zeros(n, dtype=torch.bool, device=self.device)
+    def any(self) -> bool:
+        """Whether some row copies at this position."""
+        return bool(self.runs) and bool(self.copying.any())
 
     def take(self, drafted: torch.Tensor) -> torch.Tensor:
         """The tokens at this position: copies where a row copies, `drafted` elsewhere."""
@@ -165,7 +165,7 @@ class _Copies:
 
     def distribution(self, drafted: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The proposal distributions (n, V): a point mass on the copy where a row copies."""
-        if not self.runs or not bool(self.copying.any()):
+        if not self.any():
             return drafted
         point = F.one_hot(tokens, drafted.shape[-1]).to(drafted.dtype)
         return torch.where(self.copying[:, None], point, drafted)
@@ -352,7 +352,7 @@ class Drafter(nn.Module):
         if self.confidence is not None:
             confidence.append(copies.confidence(torch.sigmoid(self.confidence(h[:, 0], prev_embed))))
             # the screen judges first drafts alone; a row copying from the start is judged by its whole run
-            if screen is not None and not bool(copies.mask(n).any()) and not screen(confidence[0]):
+            if screen is not None and not copies.any() and not screen(confidence[0]):
                 return None
         base = self.lm_head(h)
         state = self.head.initial_state(n, h) if self.head is not None else None
@@ -370,13 +370,14 @@ class Drafter(nn.Module):
             prev = copies.take(self.to_target_ids(choice))
             tokens.append(prev)
             probs.append(None if p is None else copies.distribution(self.on_target_vocabulary(p), prev))
-            copied.append(copies.mask(n))
+            if runs is not None:
+                copied.append(copies.copying)
             copies.push(prev)
         return Draft(
             tokens=torch.stack(tokens, dim=1),
             probs=None if sampling.all_greedy else torch.stack(probs, dim=1),
             confidence=torch.stack(confidence, dim=1) if confidence else None,
-            copied=torch.stack(copied, dim=1) if runs is not None else None,
+            copied=torch.stack(copied, dim=1) if copied else None,
         )
 
     def _copied(self, runs: list[CopyRun], drafts: int, sampling: RowSampling) -> Draft:

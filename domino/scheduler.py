@@ -200,18 +200,19 @@ class ConfidenceScheduler(GatedPolicy):
                 copied: torch.Tensor | None = None) -> torch.Tensor:
         survive = torch.cumprod(confidence.double(), dim=1).tolist()  # a_{r,j}
         copies = copied.tolist() if copied is not None else None
-        rows, device, caps = len(survive), caps.device, caps.cpu()
+        rows, limits = len(survive), caps.tolist()
         lengths = torch.zeros(rows, dtype=torch.long)
         tau = float(rows)  # every row commits at least one token
         theta = tau * self.sps(self.cost(lengths))
-        closed: set[int] = set()
-        candidates = sorted((-survive[r][j], j, r) for r in range(rows) for j in range(int(caps[r])))
+        candidates = sorted((-survive[r][j], j, r) for r in range(rows) for j in range(limits[r]))
         for _, j, r in candidates:
-            if r in closed or j != lengths[r]:  # a position is admitted only after its whole prefix
+            # a position is admitted only after its whole prefix, so a row that dropped at j is closed: its
+            # later positions all sort after (r, j)
+            if j != lengths[r]:
                 continue
             ends = [j + 1]
-            if copies is not None and copies[r][j] and int(caps[r]) > j + 1:
-                ends.append(int(caps[r]))  # the copy run to the row's cap: copies run to the block's end
+            if copies is not None and copies[r][j] and limits[r] > j + 1:
+                ends.append(limits[r])  # the copy run to the row's cap: copies run to the block's end
             for end in ends:
                 lengths[r] = end
                 gain = sum(survive[r][j:end])
@@ -221,10 +222,9 @@ class ConfidenceScheduler(GatedPolicy):
                     break
             else:
                 lengths[r] = j
-                closed.add(r)
         if self.padded:
-            lengths = torch.minimum(lengths.max().expand(rows), caps)
-        return lengths.to(device)
+            lengths = torch.minimum(lengths.max().expand(rows), caps.cpu())
+        return lengths.to(caps.device)
 
 
 POLICIES = ("full", "gated", "threshold", "confidence")
