@@ -223,7 +223,8 @@ class DecodingEngine:
         start = time.perf_counter()
         draft = None
         lengths = torch.zeros_like(caps)
-        tried = int(caps.max()) > 0 and (self._copies_ready(states) or self.policy.wants_draft(len(states)))
+        tried = (int(caps.max()) > 0 and self.policy.could_pay(caps)
+                 and (self._copies_ready(states) or self.policy.wants_draft(len(states))))
         if tried:
             draft = self._propose(states, anchors, positions, sampling, caps)
             if draft is not None:

@@ -69,6 +69,10 @@ class VerifyPolicy:
         """Whether this round, with `rows` requests, drafts at all."""
         return True
 
+    def could_pay(self, caps: torch.Tensor) -> bool:
+        """Whether any draft could be verified this round, whatever the drafts turn out to be."""
+        return True
+
     def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
         """What the round just run cost and returned."""
 
@@ -190,6 +194,18 @@ class ConfidenceScheduler(GatedPolicy):
 
     padded: bool = True
     needs_confidence = True
+    _could_pay: dict[tuple[int, ...], bool] = field(default_factory=dict, repr=False)  # caps -> answer
+
+    def could_pay(self, caps: torch.Tensor) -> bool:
+        """Whether verifying could raise Theta even if every draft were certain to pass and every one began
+        a copy run. Admission only grows with the confidences, so where even that admits nothing (many rows
+        on a CPU, whose verify cost grows with every padded slot), no real draft would be verified either,
+        and the round need not draft, not even to explore: the SPS profile alone rules it out."""
+        key = tuple(caps.tolist())
+        if key not in self._could_pay:
+            certain = torch.ones(len(key), max(key, default=0), dtype=torch.double)
+            self._could_pay[key] = bool(self.lengths(caps.cpu(), certain, certain.bool()).max() > 0)
+        return self._could_pay[key]
 
     def cost(self, lengths: torch.Tensor) -> int:
         if self.padded:

@@ -106,6 +106,7 @@ def test_compaction_keeps_outputs_exact(target):
 # -- verify-length policies ----------------------------------------------------------------------
 
 LINEAR = SPSProfile(tokens=[1, 1000], seconds=[0.010, 0.010 + 999 * 0.001])  # 10 ms + 1 ms per token
+STEEP = SPSProfile(tokens=[1, 1000], seconds=[0.001, 0.9])  # 0.1 ms + 0.9 ms per token: only a lone request's drafts pay
 
 
 def theta(lengths, survive, sps, padded):
@@ -249,6 +250,48 @@ def test_first_position_screen_agrees_with_the_full_admission():
         assert answer == bool(policy.lengths(caps, confidence).max() > 0), trial
         answers.append(answer)
     assert 0.2 < sum(answers) / len(answers) < 0.8  # both answers were exercised
+
+
+def test_a_round_no_draft_could_pay_for_is_never_admitted():
+    """could_pay, which sees only the caps, says no only where no confidences and no copy runs would get
+    a draft verified: the engine relies on it to skip drafting."""
+    generator = torch.Generator().manual_seed(4)
+    answers = []
+    for trial in range(300):
+        # as on a CPU: a step to 2 tokens costs `jump` decode steps, up to 16 costs little more, then 1 ms a token
+        jump = 1 + 2 * float(torch.rand(1, generator=generator))
+        profile = SPSProfile(tokens=[1, 2, 16, 1000], seconds=[0.01, 0.01 * jump, 0.011 * jump, 0.011 * jump + 0.984])
+        policy = ConfidenceScheduler(profile, padded=trial % 2 == 0)
+        rows = int(torch.randint(1, 41, (1,), generator=generator))
+        caps = torch.randint(0, 9, (rows,), generator=generator)
+        certain = torch.rand(rows, 1, generator=generator) < 0.5  # the worst case: drafts sure to pass
+        confidence = torch.where(certain, 1.0, torch.rand(rows, 8, generator=generator) ** 0.1)
+        copied = torch.rand(rows, 8, generator=generator) < 0.7
+        if not policy.could_pay(caps):
+            assert policy.lengths(caps, confidence, copied).max() == 0, trial
+        answers.append(policy.could_pay(caps))
+    assert 0.2 < sum(answers) / len(answers) < 0.8  # both answers were exercised
+
+
+def test_a_batch_no_draft_could_pay_for_does_not_draft(target, monkeypatch):
+    """With a verify cost nearly proportional to the tokens (STEEP), drafting pays only for a lone request:
+    rounds of two or three requests run no drafter forward at all, and the outputs stay the target's."""
+    drafter = tiny_drafter(target, head="domino", confidence_head=True, block_size=4).double()
+    engine = DecodingEngine(target, drafter, policy=ConfidenceScheduler(STEEP))
+    drafted_rows, real_draft = [], drafter.draft
+
+    def counted_draft(context, anchors, *rest, **named):
+        drafted_rows.append(len(anchors))
+        return real_draft(context, anchors, *rest, **named)
+
+    monkeypatch.setattr(drafter, "draft", counted_draft)
+    budgets = [6, 12, 30]
+    requests = {f"r{i}": (p, GenerationConfig(max_new_tokens=n, stop_token_ids=[]))
+                for i, (p, n) in enumerate(zip(random_prompts(3, seed=5), budgets))}
+    got = run_batch(engine, requests)
+    for rid, (prompt, config) in requests.items():
+        assert got[rid] == hf_greedy(target, prompt, config.max_new_tokens)
+    assert drafted_rows and set(drafted_rows) == {1}
 
 
 def test_confidence_policy_needs_a_confidence_head(target):
