@@ -194,16 +194,18 @@ class ConfidenceScheduler(GatedPolicy):
 
     padded: bool = True
     needs_confidence = True
-    _could_pay: dict[tuple[int, ...], bool] = field(default_factory=dict, repr=False)  # caps -> answer
+    _could_pay: dict[tuple[int, frozenset[int]], bool] = field(default_factory=dict, repr=False)
 
     def could_pay(self, caps: torch.Tensor) -> bool:
         """Whether verifying could raise Theta even if every draft were certain to pass and every one began
         a copy run. Admission only grows with the confidences, so where even that admits nothing (many rows
         on a CPU, whose verify cost grows with every padded slot), no real draft would be verified either,
-        and the round need not draft, not even to explore: the SPS profile alone rules it out."""
-        key = tuple(caps.tolist())
+        and the round need not draft, not even to explore: the SPS profile alone rules it out. With every
+        draft certain, the first admission (if any) is one row's first draft or whole run, so the answer
+        depends only on the number of rows and the distinct caps: that is the cache's key."""
+        key = (len(caps), frozenset(caps.tolist()))
         if key not in self._could_pay:
-            certain = torch.ones(len(key), max(key, default=0), dtype=torch.double)
+            certain = torch.ones(len(caps), max(key[1], default=0), dtype=torch.double)
             self._could_pay[key] = bool(self.lengths(caps.cpu(), certain, certain.bool()).max() > 0)
         return self._could_pay[key]
 
