@@ -179,6 +179,12 @@ class GatedFullVerify(GatedPolicy, FullVerify):
     A drafter that loses to plain decoding (a weak one, or any one in a crowded batch) then costs a
     drafted round now and then instead of every round."""
 
+    def could_pay(self, caps: torch.Tensor) -> bool:
+        """Whether verifying every draft could beat a plain round were all of them to pass. The verify
+        forward is padded to the longest row: rows x (1 + longest cap) tokens."""
+        rows, longest = len(caps), int(caps.max())
+        return (rows + int(caps.sum())) * self.sps(rows * (1 + longest)) >= rows * self.sps(rows)
+
 
 @dataclass
 class ConfidenceScheduler(GatedPolicy):

@@ -106,7 +106,8 @@ def test_compaction_keeps_outputs_exact(target):
 # -- verify-length policies ----------------------------------------------------------------------
 
 LINEAR = SPSProfile(tokens=[1, 1000], seconds=[0.010, 0.010 + 999 * 0.001])  # 10 ms + 1 ms per token
-STEEP = SPSProfile(tokens=[1, 1000], seconds=[0.001, 0.9])  # 0.1 ms + 0.9 ms per token: only a lone request's drafts pay
+# 1 ms a token, but a step to 2 tokens costs 1.5 ms: drafts can pay only for a lone request
+STEP_UP = SPSProfile(tokens=[1, 2, 1000], seconds=[0.001, 0.0015, 0.9995])
 
 
 def theta(lengths, survive, sps, padded):
@@ -273,11 +274,12 @@ def test_a_round_no_draft_could_pay_for_is_never_admitted():
     assert 0.2 < sum(answers) / len(answers) < 0.8  # both answers were exercised
 
 
-def test_a_batch_no_draft_could_pay_for_does_not_draft(target, monkeypatch):
-    """With a verify cost nearly proportional to the tokens (STEEP), drafting pays only for a lone request:
-    rounds of two or three requests run no drafter forward at all, and the outputs stay the target's."""
+@pytest.mark.parametrize("gated", [ConfidenceScheduler, GatedFullVerify])
+def test_a_batch_no_draft_could_pay_for_does_not_draft(target, monkeypatch, gated):
+    """Under STEP_UP, drafting can pay only for a lone request: rounds of two or three requests run no
+    drafter forward at all, not even the gate's exploratory ones, and the outputs stay the target's."""
     drafter = tiny_drafter(target, head="domino", confidence_head=True, block_size=4).double()
-    engine = DecodingEngine(target, drafter, policy=ConfidenceScheduler(STEEP))
+    engine = DecodingEngine(target, drafter, policy=gated(STEP_UP))
     drafted_rows, real_draft = [], drafter.draft
 
     def counted_draft(context, anchors, *rest, **named):
