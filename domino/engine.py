@@ -244,6 +244,7 @@ class DecodingEngine:
                                   attention_mask=self.caches.attention_mask(new_valid).long(),
                                   position_ids=slot_positions)
         drafts = block[:, 1:]
+        copied = draft.copied.tolist() if draft is not None and draft.copied is not None else None
         accepted, following = self._accept(drafts, draft, out.logits, lengths, sampling)
         used = offsets <= accepted[:, None]  # the logits each row's committed tokens came from
         broken = (~torch.isfinite(out.logits).all(dim=-1) & used).any(dim=1).tolist()
@@ -265,7 +266,7 @@ class DecodingEngine:
                 state.fail(NOT_FINITE)
                 tokens, text = [], ""
             else:
-                state.stats.record_round(int(lengths[r]), n)
+                state.stats.record_round(int(lengths[r]), n, copied[r] if copied is not None else None)
                 top = state.config.logprobs
                 tokens, text = state.commit(committed, token_logprobs(out.logits[r], committed, top)
                                             if top is not None else None)

@@ -36,6 +36,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify forward
     proposed: list[int] = field(default_factory=list)  # per block position: drafts verified there
     accepted: list[int] = field(default_factory=list)  # per block position: drafts accepted there
+    accepted_copies: int = 0  # accepted drafts that were copied from the request's text (domino.lookup)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -62,7 +63,11 @@ class GenerationStats:
     def acceptance_by_position(self) -> list[float]:
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
 
-    def record_round(self, verified: int, accepted: int) -> None:
+    def record_round(self, verified: int, accepted: int, copied: list[bool] | None = None) -> None:
+        """One verify forward: `verified` drafts checked, the first `accepted` of them passed; `copied`
+        marks, per block position, the drafts copied from the text rather than drafted."""
+        if copied is not None:
+            self.accepted_copies += sum(copied[:accepted])
         for k in range(verified):
             if k == len(self.proposed):
                 self.proposed.append(0)
@@ -83,7 +88,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return dict(speculative_decoding=self.speculative_decoding, prompt_tokens=self.prompt_tokens,
                     new_tokens=self.new_tokens, rounds=self.rounds, tau=self.tau,
-                    acceptance_by_position=self.acceptance_by_position,
+                    acceptance_by_position=self.acceptance_by_position, accepted_copies=self.accepted_copies,
                     prefill_s=self.prefill_s, draft_s=self.draft_s, verify_s=self.verify_s, other_s=self.other_s,
                     total_s=self.total_s, tokens_per_second=self.tokens_per_second)
 
@@ -96,6 +101,7 @@ class GenerationStats:
                    accept_lengths=[n for p in parts for n in p.accept_lengths],
                    proposed=[sum(p.proposed[k] for p in parts if k < len(p.proposed)) for k in range(width)],
                    accepted=[sum(p.accepted[k] for p in parts if k < len(p.accepted)) for k in range(width)],
+                   accepted_copies=sum(p.accepted_copies for p in parts),
                    prefill_s=sum(p.prefill_s for p in parts), draft_s=sum(p.draft_s for p in parts),
                    verify_s=sum(p.verify_s for p in parts), total_s=max(p.total_s for p in parts))
 

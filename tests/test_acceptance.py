@@ -29,11 +29,11 @@ def next_token_table(target) -> torch.Tensor:
         return target.model(torch.arange(VOCAB)[:, None]).logits[:, 0].argmax(-1)
 
 
-def mostly_right_drafter(target, wrong_fraction: float = 0.3, lookup_ngram: int = 0):
+def mostly_right_drafter(target, wrong_fraction: float = 0.3, lookup_ngram: int = 0, lookup_min_ngram: int = 2):
     """A Markov head that knows the target's next-token table except for a share of the tokens, so rounds
     accept every number of drafts; the backbone's own logits and its confidences still read the context."""
     drafter = tiny_drafter(target, head="markov", rank=VOCAB, block_size=6, confidence_head=True, seed=4,
-                           lookup_ngram=lookup_ngram).double()
+                           lookup_ngram=lookup_ngram, lookup_min_ngram=lookup_min_ngram).double()
     table = next_token_table(target)
     wrong = torch.rand(VOCAB, generator=torch.Generator().manual_seed(0)) < wrong_fraction
     table = torch.where(wrong, (table + 1) % VOCAB, table)
@@ -121,3 +121,21 @@ def test_greedy_accepted_counts_leading_matches():
     accepted = greedy_accepted(drafter, features, sequence, torch.arange(0, 20))
     # every draft matches the target's chain; only the text's end cuts the count
     assert accepted.tolist() == [min(6, 20 - a) for a in range(20)]
+
+
+@pytest.mark.parametrize("lookup_ngram", [0, 2])
+def test_accepted_copies_are_counted_apart_from_drafted_tokens(lookup_ngram):
+    """A drafter whose every learned draft is wrong: whatever passes verification was copied from the text,
+    so the statistics must count every accepted draft as a copy (and none without context lookup). Copies
+    after 1-token matches in the random prompts are often wrong, and those must not count."""
+    target = bigram_target()
+    drafter = mostly_right_drafter(target, wrong_fraction=1.0, lookup_ngram=lookup_ngram, lookup_min_ngram=1)
+    engine = DecodingEngine(target, drafter)
+    states = [engine.add(f"r{i}", prompt, GenerationConfig(max_new_tokens=40, stop_token_ids=[]))
+              for i, prompt in enumerate(random_prompts(4, seed=3))]
+    while engine.has_work:
+        engine.step()
+    accepted = sum(sum(s.stats.accepted) for s in states)
+    copies = sum(s.stats.accepted_copies for s in states)
+    assert copies == accepted
+    assert accepted > 0 if lookup_ngram else accepted == 0

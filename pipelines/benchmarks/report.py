@@ -35,6 +35,7 @@ class Row:
     committed: int = 0  # tokens committed by verify forwards (excludes the prefill's first token)
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    accepted_copies: int = 0  # accepted drafts copied from the text (context lookup), not drafted
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -52,6 +53,7 @@ class Row:
         self.committed += sum(s.accept_lengths)
         add_counts(self.proposed, s.proposed)
         add_counts(self.accepted, s.accepted)
+        self.accepted_copies += s.accepted_copies
         self.prefill_s += s.prefill_s
         self.draft_s += s.draft_s
         self.verify_s += s.verify_s
@@ -69,12 +71,17 @@ class Row:
         return [a / p for a, p in zip(self.accepted, self.proposed) if p]
 
     @property
+    def copied_share(self) -> float | None:
+        """The share of accepted drafts that context lookup copied rather than the drafter drafted."""
+        return self.accepted_copies / sum(self.accepted) if sum(self.accepted) else None
+
+    @property
     def other_s(self) -> float:
         return max(0.0, self.seconds - self.prefill_s - self.draft_s - self.verify_s)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second, "tau": self.tau,
-                "acceptance": self.acceptance, "other_s": self.other_s}
+                "acceptance": self.acceptance, "copied_share": self.copied_share, "other_s": self.other_s}
 
 
 def compare_with_baseline(rows: dict[tuple[str, str], Row], outputs: dict[tuple[str, str], list[list[int]]],
@@ -96,16 +103,18 @@ def machine() -> str:
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| dataset | method | tokens/s | speedup | tau | acceptance @1..4 | draft | verify | other | lossless |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| dataset | method | tokens/s | speedup | tau | acceptance @1..4 | accepted drafts copied | draft | verify | "
+             "other | lossless |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         share = (lambda x: f"{100 * x / r.seconds:.0f}%") if r.seconds else (lambda x: "-")
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance[:4]) or "-"
+        copied = f"{100 * r.copied_share:.0f}%" if r.copied_share is not None else "-"
         split = [share(r.draft_s), share(r.verify_s), share(r.other_s)] if r.rounds else ["-", "-", "-"]
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
         lossless = {True: "yes", False: "NO", None: "-"}[r.lossless]
-        lines.append(f"| {r.dataset} | {r.method} | {r.tokens_per_second:.1f} | {speedup} | {tau} | {acceptance} | "
+        lines.append(f"| {r.dataset} | {r.method} | {r.tokens_per_second:.1f} | {speedup} | {tau} | {acceptance} | {copied} | "
                      f"{' | '.join(split)} | {lossless} |")
     return "\n".join(lines)
 
