@@ -1,8 +1,9 @@
 """Batched decoding on the embedded target at several concurrencies: (a) plain autoregressive
 decoding, batched; (b) speculative decoding verifying every drafted token; (c) speculative decoding
-with confidence-scheduled verification (DSpark). All requests start together; greedy.
+with confidence-scheduled verification (DSpark); (d) every draft verified in the rounds a speculation
+gate lets draft (the policy for drafters without a confidence head). All requests start together; greedy.
 
-The three engines run in lockstep, one step of each in turn (the order balanced), and each method's
+The four engines run in lockstep, one step of each in turn (the order balanced), and each method's
 clock counts only its own steps: this VM's speed drifts by 10 % and more between runs a minute apart,
 and alternating steps exposes every method to the same drift. Each engine serves the workload once
 cold (allocator, caches, the scheduler's gate still learning; its total is reported apart), then
@@ -23,7 +24,7 @@ import torch
 from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig
-from domino.scheduler import ConfidenceScheduler, FullVerify, profile_sps
+from domino.scheduler import ConfidenceScheduler, FullVerify, GatedFullVerify, profile_sps
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks.engine import PROMPTS
 
@@ -36,8 +37,8 @@ def lockstep(engines: dict[str, DecodingEngine], prompts: list[list[int]], max_n
     clock = dict.fromkeys(engines, 0.0)
     finished_at: dict[str, dict[int, float]] = {name: {} for name in engines}
     # A step runs slower right after a big one (caches, allocator), so who goes before whom matters.
-    # Alternating the order a b c / a c b puts each method right after each other one equally often;
-    # a plain rotation (a b c / b c a / c a b) would put c after b twice as often as a.
+    # Alternating the order a b c d / a d c b puts each method right after each other one about equally
+    # often; a plain rotation (a b c / b c a / c a b) would put c after b twice as often as a.
     names = list(engines)
     orders = [names, names[:1] + names[:0:-1]]
     rounds = 0
@@ -83,7 +84,8 @@ def main(argv: list[str]) -> None:
     for concurrency in args.concurrency:
         engines = {"(a) autoregressive": DecodingEngine(target, None),
                    "(b) full block": DecodingEngine(target, drafter, policy=FullVerify()),
-                   "(c) confidence-scheduled": DecodingEngine(target, drafter, policy=ConfidenceScheduler(sps))}
+                   "(c) confidence-scheduled": DecodingEngine(target, drafter, policy=ConfidenceScheduler(sps)),
+                   "(d) gated full block": DecodingEngine(target, drafter, policy=GatedFullVerify(sps))}
         prompts = [target.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(concurrency)]
         cold = lockstep(engines, prompts, args.max_new_tokens, "cold ")
         runs = [lockstep(engines, prompts, args.max_new_tokens, f"run {k} ") for k in range(args.repeats)]
