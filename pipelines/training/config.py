@@ -49,7 +49,7 @@ class PipelineConfig(BaseModel):
     # -- target features ------------------------------------------------------------------------------
     target: str = Field("smollm2-135m", description="the frozen target: embedded name, model folder or hub id")
     feature_actors: int = Field(1, ge=1, description="actors running the target to produce features")
-    feature_batch_size: int = Field(2, ge=1, description="sequences per target forward (features are ~1e4 x larger than token ids)")
+    feature_batch_size: int = Field(2, ge=1, description="sequences per target forward (a token's features are hundreds to thousands of times larger than its id)")
     feature_cpus: float = Field(0.75, ge=0, description="CPUs per feature or regeneration actor")
     feature_gpus: float = Field(0, ge=0, description="GPUs per feature or regeneration actor")
     feature_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="dtype features travel in")
@@ -86,7 +86,7 @@ class PipelineConfig(BaseModel):
     seed: int = Field(0, description="seeds the drafter's initial weights, the anchors drawn and the replay order")
     anchors_per_sequence: int = Field(64, ge=1, description="blocks drawn from each sequence per step")
     replay: int = Field(2, ge=1, description="steps per streamed batch: the extra ones replay batches kept in memory (features cost far more than a step)")
-    replay_memory: int = Field(512, ge=1, description="streamed batches each worker keeps in memory for replay")
+    replay_memory: int = Field(512, ge=1, description="streamed batches each worker keeps in host memory for replay")
     curriculum_fraction: float = Field(0.5, ge=0, le=1, description="base-anchored curriculum: share of steps over which lambda falls to 0")
     decay: float | None = Field(None, gt=0, description="position-weight decay of the loss, w_k = exp(-k / decay) (null: the published value for the block size)")
     confidence_weight: float = Field(1.0, ge=0, description="weight of the confidence head's loss")

@@ -83,8 +83,8 @@ class Feed:
     target) is reported apart from the steady-state wait.
 
     With `replay` > 1, each streamed batch is followed by replay - 1 steps on batches drawn from the
-    last `replay_memory` streamed ones, kept in memory: target features cost far more than a drafter
-    step, so the trainer learns from them again instead of waiting for the next."""
+    last `replay_memory` streamed ones, kept in host memory: target features cost far more than a
+    drafter step, so the trainer learns from them again instead of waiting for the next."""
 
     def __init__(self, shard, cfg: PipelineConfig, device: torch.device, seed: int):
         self.shard, self.device = shard, device
@@ -108,12 +108,13 @@ class Feed:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self.replays_due:
             self.replays_due -= 1
-            return self.random.choice(self.memory)
-        batch = self._streamed()
-        if self.replay > 1:
-            self.memory.append(batch)
-            self.replays_due = self.replay - 1
-        return batch
+            batch = self.random.choice(self.memory)
+        else:
+            batch = self._streamed()
+            if self.replay > 1:
+                self.memory.append(batch)
+                self.replays_due = self.replay - 1
+        return {key: value.to(self.device) for key, value in batch.items()}
 
     def _streamed(self) -> dict[str, torch.Tensor]:
         start = time.perf_counter()
@@ -131,7 +132,7 @@ class Feed:
             self.wait += now - start
             self.tokens += float(batch["lengths"].sum())
             self.target_seconds += target_seconds
-        return {key: value.to(self.device) for key, value in batch.items()}
+        return batch
 
 
 FAULT_DELAY_S = 5.0
