@@ -9,9 +9,6 @@
 - README.md and docs/*.md: every `python ...` command names a script or module that exists and answers
   `--help` (all of them in one interpreter: HELP_RUNNER), every repository path and `serve run`
   import path they name exists, every `make` target is in the Makefile.
-
-Files that arrive with the other branches (pipelines/train.py: issue 8; pipelines/serve.py: issue 5)
-are reported as skipped, naming the issue, until they exist.
 """
 
 from __future__ import annotations
