@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ from domino.sampling import ACCEPT, TARGET, RowSampling
 from domino.scheduler import FullVerify
 from domino.target import Target
 from domino.verify import greedy_accept, speculative_accept
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 PAD = 0  # token id fed in padding slots; they are masked out everywhere
 NOT_FINITE = "the target's logits for this request are not finite (NaN or inf): the model overflowed on its input"
@@ -105,7 +109,8 @@ class DecodingEngine:
 
     def cancel(self, request_id: str) -> None:
         """Drop a request (e.g. its client went away); it does no further work."""
-        if self.pending.pop(request_id, None) is None and request_id in self.states:
+        self.pending.pop(request_id, None)
+        if request_id in self.states:
             self._retire([request_id])
 
     @property
@@ -113,8 +118,10 @@ class DecodingEngine:
         return bool(self.pending or self.ids)
 
     def step(self) -> list[Event]:
-        events = [self._admit(request_id, state) for request_id, state in list(self.pending.items())]
-        self.pending.clear()
+        events = []
+        while self.pending:  # each leaves the queue before its prefill, whatever becomes of it
+            request_id = next(iter(self.pending))
+            events.append(self._admit(request_id, self.pending.pop(request_id)))
         if self.ids:
             events += self._round()
         return events
@@ -122,9 +129,35 @@ class DecodingEngine:
     # -- prefill ---------------------------------------------------------------------------------
     @torch.no_grad()
     def _admit(self, request_id: str, state: RequestState) -> Event:
-        if self.drafter == "oracle":  # outside the request's clock: it stands for a perfect drafter
-            state.reference = self._greedy_continuation(state)
-        start = state.started = time.perf_counter()
+        """Prefill one request and join it to the batch. A prefill that raises (out of memory on a long
+        prompt, say) fails this request alone: nothing of it has joined the batch yet."""
+        state.started = time.perf_counter()
+        try:
+            if self.drafter == "oracle":  # outside the request's clock: it stands for a perfect drafter
+                state.reference = self._greedy_continuation(state)
+                state.started = time.perf_counter()
+            cache, context, first, logprobs = self._prefill(state)
+        except Exception as error:
+            state.fail(f"the prefill failed ({type(error).__name__})")
+            first = None
+        tokens, text = state.commit([first], logprobs) if first is not None else ([], "")
+        if not state.finished:
+            joining = BatchCaches(cache, context, torch.ones(1, len(state.prompt), dtype=torch.bool,
+                                                             device=self.target.device))
+            if self.caches is None:
+                self.caches = joining
+            else:
+                self.caches.append_rows(joining)
+            self.ids.append(request_id)
+            self.states[request_id] = state
+            self.anchors.append(int(first))
+        state.stats.total_s = time.perf_counter() - state.started
+        return event(request_id, state, tokens, text)
+
+    def _prefill(self, state: RequestState) -> tuple[DynamicCache, ContextCache | None, int | None, list | None]:
+        """The prompt through the target (and its features into the drafter's context): the target's
+        cache, the drafter's, and the first token with its log-probabilities (None if the logits broke)."""
+        start = state.started
         target = self.target
         prompt = torch.tensor([state.prompt], device=target.device)
         cache = target.new_cache()
@@ -139,18 +172,7 @@ class DecodingEngine:
             self.drafter.extend_context(context, out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
             state.history = self.drafter.new_history(state.prompt)
             state.stats.draft_s += time.perf_counter() - begin
-        tokens, text = state.commit([first], logprobs) if first is not None else ([], "")
-        if not state.finished:
-            joining = BatchCaches(cache, context, torch.ones_like(prompt, dtype=torch.bool))
-            if self.caches is None:
-                self.caches = joining
-            else:
-                self.caches.append_rows(joining)
-            self.ids.append(request_id)
-            self.states[request_id] = state
-            self.anchors.append(int(first))
-        state.stats.total_s = time.perf_counter() - start
-        return event(request_id, state, tokens, text)
+        return cache, context, first, logprobs
 
     def _first_token(self, state: RequestState, logits: torch.Tensor) -> tuple[int | None, list[TokenLogprob] | None]:
         """The token after the prompt and its log-probabilities; None when the logits are broken (the
@@ -257,16 +279,19 @@ class DecodingEngine:
         self.policy.observe(tried, len(states), int(accepted.sum()) + len(states), settled - start)
 
         events, done = [], []
+        # one copy to the host for the whole batch, not one per row (each is a device sync on a GPU)
+        draft_rows, accepted_rows, following_rows, length_rows = (
+            t.tolist() for t in (drafts, accepted, following, lengths))
         for r, (request_id, state) in enumerate(zip(self.ids, states)):
-            n = int(accepted[r])
-            committed = drafts[r, :n].tolist() + [int(following[r])]
+            n = accepted_rows[r]
+            committed = draft_rows[r][:n] + [following_rows[r]]
             state.stats.draft_s += (drafted - start) + (settled - verified)
             state.stats.verify_s += verified - drafted
             if broken[r]:
                 state.fail(NOT_FINITE)
                 tokens, text = [], ""
             else:
-                state.stats.record_round(int(lengths[r]), n, copied[r] if copied is not None else None)
+                state.stats.record_round(length_rows[r], n, copied[r] if copied is not None else None)
                 top = state.config.logprobs
                 tokens, text = state.commit(committed, token_logprobs(out.logits[r], committed, top)
                                             if top is not None else None)

@@ -415,6 +415,32 @@ def test_a_row_with_broken_logits_fails_alone(target):
     assert got["broken"] == [bad_token]
 
 
+def test_a_prefill_that_raises_fails_its_request_alone(target, monkeypatch):
+    """Two requests join in one step and the second one's prefill raises (as running out of memory on a
+    long prompt would; injected here): that request alone ends with an error, the first gives the
+    target's greedy tokens, and the failed one leaves nothing behind in the engine."""
+    healthy, doomed = random_prompts(2, seed=31)
+    forward = target.forward
+
+    def failing_forward(input_ids, *args, **kwargs):
+        if input_ids[0].tolist() == doomed:
+            raise RuntimeError("out of memory (injected)")
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", failing_forward)
+    engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=4).double())
+    config = GenerationConfig(max_new_tokens=12, stop_token_ids=[])
+    engine.add("healthy", healthy, config)
+    failed = engine.add("doomed", doomed, config)
+    got = {"healthy": [], "doomed": []}
+    while engine.has_work:
+        for event in engine.step():
+            got[event.request_id] += event.tokens
+        assert "doomed" not in engine.states and not engine.pending
+    assert got == {"healthy": hf_greedy(target, healthy, 12), "doomed": []}
+    assert failed.result.finish_reason == "error" and "prefill failed (RuntimeError)" in failed.result.error
+
+
 def test_logprobs_are_the_targets_own_at_each_committed_token(target):
     engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=4).double())
     prompt = next(random_prompts(1, seed=4))
