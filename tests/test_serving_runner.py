@@ -107,3 +107,44 @@ def test_a_failed_step_fails_its_requests_not_the_runner(decoder):
 
     tokens, alive = asyncio.run(main())
     assert tokens == decoder.generate([1, 2, 3], config(8)).tokens and alive
+
+
+class BrokenObserver:
+    def on_step(self, events, in_flight):
+        raise ValueError("metrics backend down")
+
+    def on_cancel(self):
+        raise ValueError("metrics backend down")
+
+
+def test_a_failing_observer_does_not_stop_the_decoding(decoder):
+    async def main():
+        runner = EngineRunner(DecodingEngine(decoder.engine.target, decoder.engine.drafter), BrokenObserver())
+        try:
+            result = await asyncio.wait_for((await runner.submit([1, 2, 3], config(8))).result(), 60)
+            return result.tokens, runner.alive
+        finally:
+            runner.stop()
+
+    tokens, alive = asyncio.run(main())
+    assert tokens == decoder.generate([1, 2, 3], config(8)).tokens and alive
+
+
+class Wrecked(FailingOnce):
+    """A step fails and so does every cancel after it: the engine is past recovering, and the thread ends."""
+
+    def cancel(self, request_id):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+
+def test_requests_waiting_on_a_dead_engine_thread_get_an_error_not_a_hang(decoder):
+    async def main():
+        runner = EngineRunner(Wrecked(decoder))
+        stream = await runner.submit([1, 2, 3], config(8))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await asyncio.wait_for(stream.result(), 60)
+        assert await wait_until(lambda: not runner.alive)
+        with pytest.raises(RuntimeError, match="engine thread has stopped"):
+            await runner.submit([1, 2, 3], config(8))
+
+    asyncio.run(main())

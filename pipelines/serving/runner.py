@@ -11,6 +11,7 @@ go back to the asyncio queue of the request they belong to.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,8 @@ from typing import Protocol
 
 from domino.engine import Event
 from domino.decoding import GenerationConfig, GenerationResult
+
+logger = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -145,6 +148,8 @@ class EngineRunner:
         self._thread.join()
 
     def _post(self, command: RequestStream | str) -> None:
+        if not self.alive:  # nothing would ever answer (the replica's health check restarts it)
+            raise RuntimeError("the engine thread has stopped")
         with self._lock:
             if isinstance(command, RequestStream):
                 self._streams[command.request_id] = command
@@ -153,21 +158,37 @@ class EngineRunner:
 
     # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        while (inbox := self._wait_for_work()) is not None:
-            for command in inbox:
-                self._add(command) if isinstance(command, RequestStream) else self._cancel(command)
-            events = []
-            if self.engine.has_work:
-                try:
-                    events = self.engine.step()
-                except Exception as error:  # a failed forward fails the requests in it, not the replica
-                    self._fail_all(error)
-            for event in events:
-                stream = self._forget(event.request_id) if event.finished else self._streams.get(event.request_id)
-                if stream is not None:
-                    stream.push(event)
-            if self.observer is not None:
-                self.observer.on_step(events, self.in_flight)
+        try:
+            while (inbox := self._wait_for_work()) is not None:
+                for command in inbox:
+                    self._add(command) if isinstance(command, RequestStream) else self._cancel(command)
+                events = []
+                if self.engine.has_work:
+                    try:
+                        events = self.engine.step()
+                    except Exception as error:  # a failed round fails the requests in it, not the replica
+                        self._fail_all(error)
+                for event in events:
+                    stream = self._forget(event.request_id) if event.finished else self._streams.get(event.request_id)
+                    if stream is not None:
+                        stream.push(event)
+                if self.observer is not None:
+                    try:
+                        self.observer.on_step(events, self.in_flight)
+                    except Exception:  # metrics never stop the decoding
+                        logger.exception("the engine observer failed")
+        except BaseException as error:  # the thread ends: no waiting request may hang on it
+            logger.exception("the engine thread stopped")
+            self._abandon(error)
+
+    def _abandon(self, error: BaseException) -> None:
+        """End every request still waiting on this thread, with `error`."""
+        failure = error if isinstance(error, Exception) else RuntimeError("the engine thread stopped")
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.refuse(failure)  # one still waiting to be accepted
+            stream.push(failure)  # one already streaming
 
     def _wait_for_work(self) -> list[RequestStream | str] | None:
         """The commands that arrived since the last step; blocks while there is nothing to do."""
