@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -166,6 +167,12 @@ class Target:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work, so that a clock read afterwards times it (CUDA runs
+        asynchronously; on a CPU this does nothing)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
                 layer_ids: list[int] | tuple[int, ...] = (), final_hidden: bool = False,
@@ -247,7 +254,10 @@ class Target:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             if not self.is_chat_model:
                 raise DominoError(f"target '{self.name}' has no chat template: pass a plain prompt (--no-chat)")
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            try:
+                encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except TemplateError as error:  # templates refuse what their model was not trained on (raise_exception)
+                raise DominoError(f"the chat template of '{self.name}' refuses these messages: {error}") from None
             return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if not ids:  # text that tokenises to nothing (a lone control character) starts from the start token,

@@ -1,3 +1,4 @@
+import copy
 import os
 import signal
 import subprocess
@@ -127,3 +128,16 @@ def test_text_that_tokenises_to_nothing_starts_from_the_start_token(embedded_tar
     assert tokenizer("\u0016", add_special_tokens=True)["input_ids"] == []
     assert embedded_target.encode_prompt("\u0016", chat=False) == [tokenizer.bos_token_id]
     assert embedded_target.encode_prompt("Hello", chat=False) == tokenizer("Hello")["input_ids"]
+
+
+def test_a_chat_template_that_refuses_the_messages_raises_a_clear_error(embedded_target):
+    """Templates refuse roles or orders their model was not trained on (Gemma's has no system role):
+    that is the caller's input, a DominoError naming the template's reason, not a crash."""
+    tokenizer = copy.deepcopy(embedded_target.tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    target = Target(tiny_target().model, tokenizer, "no-system")
+    assert target.encode_prompt([{"role": "user", "content": "hi"}])
+    with pytest.raises(DominoError, match="chat template of 'no-system' refuses these messages: System role not supported"):
+        target.encode_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
