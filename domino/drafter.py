@@ -65,7 +65,13 @@ class DraftAttention(nn.Module):
         k, v = self.keys_values(x, cos, sin)
         k = torch.cat([context_kv[0], k], dim=2)
         v = torch.cat([context_kv[1], v], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        grouped = self.num_heads != self.num_kv_heads
+        if grouped and mask is not None:
+            # on CUDA, grouped-query attention with a mask only has the math kernel, which keeps every
+            # score (packed training blocks: tens of GB); shared keys/values repeated take any kernel
+            k, v = (t.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1) for t in (k, v))
+            grouped = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=grouped)
         return self.o_proj(out.transpose(1, 2).reshape(n, t, -1))
 
 

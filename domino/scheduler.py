@@ -52,8 +52,10 @@ def profile_sps(target, max_tokens: int = 512, context: int = 128, repeats: int 
     for size in sizes:
         times = []
         for _ in range(repeats):
+            target.synchronize()
             start = time.perf_counter()
             target.forward(ids[:, context: context + size], cache)
+            target.synchronize()
             times.append(time.perf_counter() - start)
             cache.crop(-size)
         seconds.append(min(times))

@@ -56,9 +56,8 @@ def random_qwen3(shape: str, folder: Path) -> Path:
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    torch.manual_seed(0)  # built on the host: the driver keeps no GPU memory from Ray's actors and workers
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

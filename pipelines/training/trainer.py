@@ -214,6 +214,9 @@ def train_worker(config: dict) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.set_num_threads(torch_threads(cfg.trainer_cpus))
     device = ray.train.torch.get_device()
+    if device.type == "cuda":  # DeepSpeed takes cuda:LOCAL_RANK, which is not Ray's pick when workers share a GPU
+        torch.cuda.set_device(device)
+        os.environ["LOCAL_RANK"] = str(device.index)
 
     target = Target.load(config["target_path"], device=device)
     torch.manual_seed(cfg.seed)
