@@ -72,11 +72,16 @@ def event(request_id: str, state: RequestState, tokens: list[int], text: str) ->
 class DecodingEngine:
     """`drafter`: a Drafter, "oracle", or None (plain decoding). `block_size`: the oracle's drafts per
     round (default 16); a Drafter has its own block (None, or its config's value). `policy` decides per
-    round how many drafts each request verifies (scheduler.py; default: all of them)."""
+    round how many drafts each request verifies (scheduler.py; default: all of them). `max_rows`: the
+    most requests decoded together (their caches grow with every row); later ones wait in the queue,
+    first come first served (None: no limit)."""
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int | None = None,
-                 policy=None):
+                 policy=None, max_rows: int | None = None):
         target.check_batchable()
+        if max_rows is not None and max_rows < 1:
+            raise DominoError(f"max_rows must be at least 1, got {max_rows}")
+        self.max_rows = max_rows
         if isinstance(drafter, Drafter):
             drafter.config.check_target(target)
             if block_size not in (None, drafter.config.block_size):
@@ -119,7 +124,8 @@ class DecodingEngine:
 
     def step(self) -> list[Event]:
         events = []
-        while self.pending:  # each leaves the queue before its prefill, whatever becomes of it
+        while self.pending and (self.max_rows is None or len(self.ids) < self.max_rows):
+            # each leaves the queue before its prefill, whatever becomes of it
             request_id = next(iter(self.pending))
             events.append(self._admit(request_id, self.pending.pop(request_id)))
         if self.ids:

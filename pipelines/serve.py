@@ -71,6 +71,8 @@ class ServeArgs(BaseModel):
     threshold: float = Field(0.3, gt=0, lt=1, description="for verify=threshold")
     max_batch_tokens: int = Field(1024, ge=1, description="largest verify forward the start-up SPS profile "
                                                           "measures (verify=gated or confidence)")
+    max_rows: int = Field(64, ge=1, description="the most choices a replica decodes together (each holds a cache "
+                                                "row); more wait their turn in its queue")
 
     @property
     def served_name(self) -> str:
@@ -90,7 +92,7 @@ def load_engine(args: ServeArgs) -> DecodingEngine:
         drafter = drafter.to(target.model.dtype)
     policy = make_policy(args.verify, target, threshold=args.threshold, max_tokens=args.max_batch_tokens)
     return DecodingEngine(target, None if drafter == "none" else drafter, block_size=args.block_size,
-                          policy=policy)
+                          policy=policy, max_rows=args.max_rows)
 
 
 @serve.deployment(max_ongoing_requests=32)

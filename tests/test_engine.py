@@ -68,6 +68,26 @@ def test_batched_greedy_outputs_equal_each_requests_own(target, drafter):
     assert engine.caches is None and not engine.states  # everything retired
 
 
+def test_requests_beyond_max_rows_wait_their_turn(target):
+    """With max_rows=2, five requests are decoded at most two at a time, started in the order they came,
+    and each still gives the target's greedy tokens."""
+    engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=4).double(), max_rows=2)
+    prompts = list(random_prompts(5, seed=33))
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", prompt, GenerationConfig(max_new_tokens=6 + 3 * i, stop_token_ids=[]))
+    got, started, widest = {f"r{i}": [] for i in range(5)}, [], 0
+    while engine.has_work:
+        for event in engine.step():
+            if not got[event.request_id]:
+                started.append(event.request_id)
+            got[event.request_id] += event.tokens
+        widest = max(widest, len(engine.ids))
+    assert widest == 2 and started == [f"r{i}" for i in range(5)]
+    assert got == {f"r{i}": hf_greedy(target, p, 6 + 3 * i) for i, p in enumerate(prompts)}
+    with pytest.raises(DominoError, match="max_rows must be at least 1"):
+        DecodingEngine(target, max_rows=0)
+
+
 def test_cancelled_request_does_no_further_work(target):
     engine = DecodingEngine(target, tiny_drafter(target, head="none").double())
     prompts = list(random_prompts(2, seed=3))
