@@ -22,7 +22,7 @@ from domino.errors import DominoError
 from domino.formats import CONFIG_NAME, WEIGHTS_NAME, read_checkpoint
 from domino.heads import ConfidenceHead, build_head
 from domino.lookup import CopyRun, TokenHistory
-from domino.sampling import RowSampling
+from domino.sampling import RowSampling, point_masses
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +174,7 @@ class _Copies:
         """The proposal distributions (n, V): a point mass on the copy where a row copies."""
         if not self.any():
             return drafted
-        point = F.one_hot(tokens, drafted.shape[-1]).to(drafted.dtype)
+        point = point_masses(tokens, drafted.shape[-1], drafted.dtype)
         return torch.where(self.copying[:, None], point, drafted)
 
     def confidence(self, drafted: torch.Tensor) -> torch.Tensor:
@@ -401,7 +401,7 @@ class Drafter(nn.Module):
         tokens = torch.stack(tokens, dim=1)
         return Draft(
             tokens=tokens,
-            probs=None if sampling.all_greedy else F.one_hot(tokens, self.config.target_vocab_size).float(),
+            probs=None if sampling.all_greedy else point_masses(tokens, self.config.target_vocab_size),
             confidence=torch.stack(confidence, dim=1) if confidence else None,
             copied=torch.ones_like(tokens, dtype=torch.bool),
         )

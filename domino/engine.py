@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from domino.drafter import ContextCache, Draft, Drafter
 from domino.errors import DominoError
 from domino.batch_caches import BatchCaches
 from domino.requests import GenerationConfig, GenerationResult, RequestState, TokenLogprob
-from domino.sampling import ACCEPT, TARGET, RowSampling
+from domino.sampling import ACCEPT, TARGET, RowSampling, point_masses
 from domino.scheduler import FullVerify
 from domino.target import Target
 from domino.verify import greedy_accept, speculative_accept
@@ -212,7 +211,7 @@ class DecodingEngine:
         tokens = torch.tensor([u + [PAD] * (self.block_size - len(u)) for u in upcoming], device=anchors.device)
         probs = None
         if not sampling.all_greedy:  # the oracle's proposals are certain: q is a point mass
-            probs = F.one_hot(tokens, self.target.vocab_size).float()
+            probs = point_masses(tokens, self.target.vocab_size)
         return Draft(tokens=tokens, probs=probs, confidence=None)
 
     @staticmethod

@@ -107,6 +107,13 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
+def point_masses(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Distributions (..., V) certain of `tokens` (...): the proposal distribution of a token that is not
+    sampled (a copy, an oracle's), written straight into `dtype` (F.one_hot would first make int64)."""
+    out = torch.zeros(*tokens.shape, vocab_size, dtype=dtype, device=tokens.device)
+    return out.scatter_(-1, tokens[..., None], 1.0)
+
+
 class RowSampling:
     """Sampling for a batch of rows in one round: row r has its own parameters and seed (None: a fresh
     one), and the round's first new token of row r sits at position start[r]. The k-th call of

@@ -11,11 +11,12 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from scipy.stats import chisquare
 
 from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig
-from domino.sampling import SamplingParams
+from domino.sampling import SamplingParams, point_masses
 from domino.scheduler import ConfidenceScheduler, SPSProfile, ThresholdVerify
 from helpers import tiny_drafter, tiny_target
 
@@ -195,3 +196,9 @@ def test_max_tokens_one_finishes_at_prefill_and_leaves_nothing_behind(target):
     assert not engine.has_work and not engine.states and engine.caches is None
     plain, _, _ = generate_all(engines(target)["plain"], SamplingParams(temperature=1.0), [1, 3, 5], others=False)
     assert [states[i].tokens[0] for i in (1, 3, 5)] == [plain[i][0] for i in (1, 3, 5)]
+
+
+def test_point_masses_are_one_hot_distributions_in_the_asked_dtype():
+    tokens = torch.tensor([[3, 0, 6], [5, 2, 2]])
+    masses = point_masses(tokens, 7, torch.float64)
+    assert masses.dtype == torch.float64 and torch.equal(masses, F.one_hot(tokens, 7).double())
