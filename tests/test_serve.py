@@ -220,6 +220,10 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (COMPLETIONS, dict(prompt=""), 400, "prompt", "at least 1 character"),
     (COMPLETIONS, dict(prompt=[5, 49152]), 400, "prompt", "token ids must lie in 0..49151"),
     (COMPLETIONS, dict(max_tokens=5), 400, "prompt", "Field required"),
+    # streams are refused before their status line, with the same error body
+    (COMPLETIONS, dict(prompt="word " * CONTEXT, stream=True), 400, None, "but the target's context holds 2048"),
+    (CHAT, dict(messages=HELLO, max_tokens=CONTEXT, stream=True), 400, None, "exceeds the target's context"),
+    (COMPLETIONS, dict(prompt=[5, 49152], stream=True), 400, "prompt", "token ids must lie in 0..49151"),
 ])
 def test_bad_input_gets_an_openai_error_and_the_replica_stays_healthy(server, path, body, status, param, message):
     if isinstance(body, bytes):
