@@ -94,9 +94,25 @@ class FailingOnce(DecodingEngine):
         return super().step()
 
 
+class FailureCount:
+    def __init__(self):
+        self.failed = 0
+
+    def on_step(self, events, in_flight):
+        pass
+
+    def on_cancel(self):
+        pass
+
+    def on_fail(self, requests):
+        self.failed += requests
+
+
 def test_a_failed_step_fails_its_requests_not_the_runner(decoder):
+    observer = FailureCount()
+
     async def main():
-        runner = EngineRunner(FailingOnce(decoder))
+        runner = EngineRunner(FailingOnce(decoder), observer)
         try:
             with pytest.raises(RuntimeError, match="out of memory"):
                 await (await runner.submit([1, 2, 3], config(8))).result()
@@ -107,6 +123,7 @@ def test_a_failed_step_fails_its_requests_not_the_runner(decoder):
 
     tokens, alive = asyncio.run(main())
     assert tokens == decoder.generate([1, 2, 3], config(8)).tokens and alive
+    assert observer.failed == 1  # counted under finish_reason "error"
 
 
 class BrokenObserver:
@@ -114,6 +131,9 @@ class BrokenObserver:
         raise ValueError("metrics backend down")
 
     def on_cancel(self):
+        raise ValueError("metrics backend down")
+
+    def on_fail(self, requests):
         raise ValueError("metrics backend down")
 
 

@@ -74,3 +74,6 @@ class ReplicaMetrics:
 
     def on_cancel(self) -> None:
         self.requests.inc(tags={"finish_reason": "cancelled"})
+
+    def on_fail(self, requests: int) -> None:
+        self.requests.inc(requests, tags={"finish_reason": "error"})

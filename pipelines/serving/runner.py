@@ -43,6 +43,9 @@ class Observer(Protocol):
 
     def on_cancel(self) -> None: ...
 
+    def on_fail(self, requests: int) -> None:
+        """`requests` ended by a failed round (requests failing alone end in on_step's events)."""
+
 
 class RequestStream:
     """One request as its HTTP handler sees it: iterate for its events. Leaving the iteration early
@@ -172,11 +175,7 @@ class EngineRunner:
                     stream = self._forget(event.request_id) if event.finished else self._streams.get(event.request_id)
                     if stream is not None:
                         stream.push(event)
-                if self.observer is not None:
-                    try:
-                        self.observer.on_step(events, self.in_flight)
-                    except Exception:  # metrics never stop the decoding
-                        logger.exception("the engine observer failed")
+                self._observe("on_step", events, self.in_flight)
         except BaseException as error:  # the thread ends: no waiting request may hang on it
             logger.exception("the engine thread stopped")
             self._abandon(error)
@@ -214,10 +213,18 @@ class EngineRunner:
         stream.in_engine = True
         stream.accept()
 
+    def _observe(self, event: str, *args) -> None:
+        """Tell the observer; its failures are logged, since metrics never stop the decoding."""
+        if self.observer is not None:
+            try:
+                getattr(self.observer, event)(*args)
+            except Exception:
+                logger.exception("the engine observer failed")
+
     def _cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
-        if self._forget(request_id) is not None and self.observer is not None:
-            self.observer.on_cancel()
+        if self._forget(request_id) is not None:
+            self._observe("on_cancel")
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
@@ -226,3 +233,5 @@ class EngineRunner:
             self.engine.cancel(stream.request_id)
             self._forget(stream.request_id)
             stream.push(error)
+        if streams:
+            self._observe("on_fail", len(streams))
