@@ -81,6 +81,9 @@ class ServeArgs(BaseModel):
 
 # -- the engine replica ----------------------------------------------------------------------------
 
+# No tokenizer spends more characters than this on one token of real text.
+MAX_CHARACTERS_PER_TOKEN = 32
+
 
 def load_engine(args: ServeArgs) -> DecodingEngine:
     """Target, drafter and verify policy, loaded once per replica."""
@@ -147,13 +150,23 @@ class EngineReplica:
 
     def prompt_ids(self, request: GenerationRequest, chat: bool) -> list[int]:
         if chat:
-            return self.target.encode_prompt([message.as_template_input() for message in request.messages])
+            messages = [message.as_template_input() for message in request.messages]
+            self.check_characters(sum(len(m["content"]) for m in messages), "messages")
+            return self.target.encode_prompt(messages)
         if isinstance(request.prompt, str):
+            self.check_characters(len(request.prompt), "prompt")
             return self.target.encode_prompt(request.prompt, chat=False)
         vocab = self.target.vocab_size
         if not all(0 <= i < vocab for i in request.prompt):
             raise ApiError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
         return request.prompt
+
+    def check_characters(self, characters: int, param: str) -> None:
+        """Tokenising runs on the replica's event loop: text too long for the context whatever it
+        tokenises to is refused before it stalls the replica's other streams."""
+        if characters > MAX_CHARACTERS_PER_TOKEN * self.target.max_length:
+            raise ApiError(400, f"the prompt has {characters} characters, more than the target's context of "
+                                f"{self.target.max_length} tokens could hold", param=param)
 
     async def submit_choices(self, prompt_ids: list[int], config, n: int) -> list[RequestStream]:
         """One engine row per choice, each with its own seed; a refusal cancels the choices submitted."""

@@ -220,6 +220,8 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (COMPLETIONS, dict(prompt=""), 400, "prompt", "at least 1 character"),
     (COMPLETIONS, dict(prompt=[5, 49152]), 400, "prompt", "token ids must lie in 0..49151"),
     (COMPLETIONS, dict(max_tokens=5), 400, "prompt", "Field required"),
+    (COMPLETIONS, dict(prompt="x" * (32 * CONTEXT + 1)), 400, "prompt", "more than the target's context of 2048"),
+    (CHAT, dict(messages=[{"role": "user", "content": "x" * (32 * CONTEXT + 1)}]), 400, "messages", "characters"),
     # streams are refused before their status line, with the same error body
     (COMPLETIONS, dict(prompt="word " * CONTEXT, stream=True), 400, None, "but the target's context holds 2048"),
     (CHAT, dict(messages=HELLO, max_tokens=CONTEXT, stream=True), 400, None, "exceeds the target's context"),
