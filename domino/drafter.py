@@ -269,6 +269,33 @@ class Drafter(nn.Module):
         full = draft_probs.new_zeros(*draft_probs.shape[:-1], self.config.target_vocab_size)
         return full.index_copy_(-1, self.draft_to_target, draft_probs)
 
+    # -- starting from the target's own layers -----------------------------------------------------
+    @torch.no_grad()
+    def start_from_target(self, target) -> None:
+        """Start as the target's own next layer(s) reading its states: draft layer i a copy of the target
+        layer right after the deepest feature layer (plus i), the feature fusion the identity on that
+        layer's states, the output norm the target's final one. Llama-style layers only."""
+        first, d = max(self.config.target_layer_ids) + 1, self.config.hidden_size
+        if first + len(self.layers) > target.num_layers:
+            raise DominoError(f"the target has no layer {first + len(self.layers) - 1} to start draft layers from: "
+                              f"read shallower target layers")
+        source_layers = target.decoder_layers
+        try:
+            pairs = [(self.norm, target.model.base_model.norm), (self.feature_norm, source_layers[first].input_layernorm)]
+            for mine, theirs in zip(self.layers, source_layers[first:]):
+                attn, mlp = theirs.self_attn, theirs.mlp
+                pairs += [(mine.attn.q_proj, attn.q_proj), (mine.attn.k_proj, attn.k_proj), (mine.attn.v_proj, attn.v_proj),
+                          (mine.attn.o_proj, attn.o_proj), (mine.attn_norm, theirs.input_layernorm),
+                          (mine.mlp_norm, theirs.post_attention_layernorm), (mine.gate, mlp.gate_proj),
+                          (mine.up, mlp.up_proj), (mine.down, mlp.down_proj)]
+        except AttributeError as error:
+            raise DominoError(f"cannot start from target '{target.name}': its layers are not Llama-style ({error})") from None
+        for mine, theirs in pairs:
+            mine.weight.copy_(theirs.weight)
+        deepest = self.config.target_layer_ids.index(first - 1)
+        self.fc.weight.zero_()
+        self.fc.weight[:, deepest * d:(deepest + 1) * d] = torch.eye(d)
+
     # -- backbone ----------------------------------------------------------------------------------
     def _rotary(self, positions: torch.Tensor):
         return rotary(positions, self.config.head_dim, self.config.rope_theta)

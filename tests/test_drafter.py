@@ -122,3 +122,20 @@ def test_head_changes_later_positions_only_through_the_drafted_prefix():
     assert all(torch.allclose(r.probs[0, 0], runs[0].probs[0, 0]) for r in runs)
     differing = [r for r in runs if r.tokens[0, 0] != runs[0].tokens[0, 0]]
     assert not torch.allclose(differing[0].probs[0, 1], runs[0].probs[0, 1])
+
+
+def test_starting_from_the_target_copies_its_next_layer_and_passes_the_deepest_states_through():
+    target = tiny_target()
+    config = DrafterConfig.for_target(target, num_layers=1, layer_ids=[1, 3], head="none")
+    drafter = Drafter(config, target.embed_tokens, target.lm_head)
+    drafter.start_from_target(target)
+    source = target.decoder_layers[4]
+    assert torch.equal(drafter.layers[0].attn.k_proj.weight, source.self_attn.k_proj.weight)
+    assert torch.equal(drafter.layers[0].down.weight, source.mlp.down_proj.weight)
+    assert torch.equal(drafter.feature_norm.weight, source.input_layernorm.weight)
+    assert torch.equal(drafter.norm.weight, target.model.model.norm.weight)
+    states = torch.randn(2, 5, 2 * config.hidden_size)
+    assert torch.equal(drafter.fc(states), states[..., config.hidden_size:])  # layer 3's states, as they are
+    too_deep = Drafter(DrafterConfig.for_target(target, layer_ids=[5], head="none"), target.embed_tokens, target.lm_head)
+    with pytest.raises(DominoError, match="no layer 6 to start draft layers from"):
+        too_deep.start_from_target(target)

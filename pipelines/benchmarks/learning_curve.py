@@ -58,6 +58,7 @@ class Variant:
     lr: float = 2e-3
     distill: bool = False
     epochs: int = 1  # passes over fewer sequences in the same steps (the pipeline's `replay`)
+    from_target: bool = False  # the draft layer starts as the target's layer after the feature layer
 
 
 BASE = Variant("base")
@@ -80,6 +81,7 @@ VARIANTS = {v.name: v for v in [
     dataclasses.replace(BASE, name="lr-6e-4", lr=6e-4),
     dataclasses.replace(BASE, name="block-16", block_size=16),
     dataclasses.replace(BASE, name="epochs-3", epochs=3),
+    dataclasses.replace(BASE, name="from-target", from_target=True),
 ]}
 
 
@@ -203,6 +205,8 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
     drafter = Drafter(config, target.embed_tokens, target.lm_head)
     if variant.draft_vocab_size:
         drafter.set_draft_vocabulary(most_frequent(counts, variant.draft_vocab_size))
+    if variant.from_target:
+        drafter.start_from_target(target)
     train_config = TrainConfig(steps=steps, lr=variant.lr, objective=ObjectiveConfig(
         anchors_per_sequence=variant.anchors, curriculum_fraction=variant.curriculum_fraction, distill=variant.distill))
     objective = DraftingObjective(drafter, train_config.objective, seed=seed)
