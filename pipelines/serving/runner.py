@@ -142,7 +142,8 @@ class EngineRunner:
         return stream
 
     def cancel(self, request_id: str) -> None:
-        self._post(request_id)
+        if self.alive:  # a stopped thread has failed every request it held: nothing is left to cancel
+            self._post(request_id)
 
     def stop(self) -> None:
         with self._lock:
