@@ -4,9 +4,9 @@ Two deployments. `EngineReplica` loads the target and the drafter once per repli
 request it holds through one batched engine (domino.engine), driven by a background thread
 (pipelines/serving/runner.py): every round drafts and verifies all of the replica's requests together
 (continuous batching), and each may verify a different number of drafts (verify=confidence: DSpark's
-scheduling); with cluster/serve.yaml it autoscales. `OpenAIServer`, the HTTP ingress, validates requests and relays them to an
-engine replica and its events back, so a client whose engine replica dies mid-stream still gets an
-error event, and a client that disconnects has its generation cancelled.
+scheduling); with cluster/serve.yaml it autoscales. `OpenAIServer`, the HTTP ingress, validates
+requests and relays them to an engine replica and its events back, so a client whose engine replica
+dies mid-stream still gets an error event, and a client that disconnects has its generation cancelled.
 
     serve run pipelines.serve:app                                   # the embedded target, no drafter
     serve run pipelines.serve:build_app drafter=$HOME/domino-runs/smollm2-sharegpt/step_000320/drafter num_cpus=2
