@@ -108,6 +108,23 @@ class FailureCount:
         self.failed += requests
 
 
+def test_cancelling_ends_a_reader_that_waits_for_the_next_event(decoder):
+    async def main():
+        runner = EngineRunner(DecodingEngine(decoder.engine.target, decoder.engine.drafter))
+        try:
+            stream = await runner.submit([1, 2, 3], config(900))
+            reader = asyncio.create_task(stream.result())
+            await asyncio.sleep(0.05)  # the reader is waiting on the stream's queue
+            stream.cancel()
+            with pytest.raises(RuntimeError, match="cancelled before its result"):
+                await asyncio.wait_for(reader, timeout=5)
+            return await wait_until(lambda: runner.in_flight == 0 and not runner.engine.has_work)
+        finally:
+            runner.stop()
+
+    assert asyncio.run(main())
+
+
 def test_a_failed_step_fails_its_requests_not_the_runner(decoder):
     observer = FailureCount()
 

@@ -57,7 +57,7 @@ class RequestStream:
         self.runner = runner
         self.loop = asyncio.get_running_loop()
         self.accepted: asyncio.Future = self.loop.create_future()
-        self.queue: asyncio.Queue[Event | Exception] = asyncio.Queue()
+        self.queue: asyncio.Queue[Event | Exception | None] = asyncio.Queue()  # None: cancelled
         self.done = False
         self.in_engine = False  # set by the engine thread once `add` took it
 
@@ -86,6 +86,8 @@ class RequestStream:
         try:
             while not self.done:
                 item = await self.queue.get()
+                if item is None:
+                    return
                 if isinstance(item, Exception):
                     self.done = True
                     raise item
@@ -99,11 +101,12 @@ class RequestStream:
         async for event in self:
             if event.finished:
                 return event.result
-        raise RuntimeError("the engine ended a request without a result")
+        raise RuntimeError("the request was cancelled before its result")
 
     def cancel(self) -> None:
         if not self.done:
             self.done = True
+            self.queue.put_nowait(None)  # wakes a reader that is waiting for the next event
             self.runner.cancel(self.request_id)
 
 
