@@ -1,14 +1,26 @@
-"""Token ids -> text as they are committed, with stop strings."""
+"""Token ids -> text as they are committed, with stop strings; each token's own bytes."""
 
 from __future__ import annotations
 
+import re
+
 from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+BYTE_OF_CHARACTER = {character: byte for byte, character in bytes_to_unicode().items()}  # byte-level BPE's alphabet
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 class TextStream:
     """Decodes the generated tokens incrementally. Text is released only when it can no longer change:
     a trailing partial UTF-8 character is held back, and so is any tail that could still grow into a
-    stop string. A stop string ends the text before it (it is not part of the output)."""
+    stop string. A stop string ends the text before it (it is not part of the output).
+
+    Each push decodes only the tokens of the last two pushes, not the whole output: the text of the
+    tokens up to the last complete character is kept (`settled`), and the tokens after it are decoded
+    together with the ones before it, so that a tokenizer that treats a sequence's first token
+    specially (SentencePiece drops its leading space) decodes them as it would in the whole text.
+    A tokenizer whose decoding is not local in this way is decoded whole each time."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
@@ -16,6 +28,9 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""  # everything released so far
         self.stopped = False
+        self._settled = 0  # the text of tokens[:_settled] is _settled_text, whatever tokens follow
+        self._settled_text = ""
+        self._context = 0  # where each decode starts: the settled point before the last that added text
 
     def push(self, tokens: list[int], final: bool = False) -> str:
         """Add committed tokens; return the newly released text. `final` releases everything left.
@@ -30,6 +45,10 @@ class TextStream:
             del self.tokens[kept:]
             full = self._decode(kept)
             full, self.stopped, final = full[:self._stop_at(full)], True, True
+        elif not full.endswith("\ufffd") and len(self.tokens) > self._settled:
+            if full != self._settled_text:  # the context keeps a token with text, not only special ones
+                self._context = self._settled
+            self._settled, self._settled_text = len(self.tokens), full
         if not final:
             if full.endswith("\ufffd"):  # a multi-byte character still arriving
                 full = full.rstrip("\ufffd")
@@ -40,9 +59,38 @@ class TextStream:
         return delta
 
     def _decode(self, count: int) -> str:
-        return self.tokenizer.decode(self.tokens[:count], skip_special_tokens=True)
+        """The text of tokens[:count], for count >= the settled point."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        known = decode(self.tokens[self._context:self._settled])
+        text = decode(self.tokens[self._context:count])
+        if not text.startswith(known):
+            return decode(self.tokens[:count])
+        return self._settled_text + text[len(known):]
 
     def _stop_at(self, full: str) -> int:
         """Where the earliest stop string starts in `full` past the released text, or -1."""
         found = [full.find(stop, max(0, len(self.text) - len(stop))) for stop in self.stop_strings]
         return min((at for at in found if at != -1), default=-1)
+
+
+class TokenBytes:
+    """Each token's own UTF-8 bytes (OpenAI's logprob `bytes`). Decoding one token alone cannot give
+    them when the token holds part of a character (an emoji is often three tokens): it gives U+FFFD.
+    So byte-level BPE tokens are read through their byte alphabet and SentencePiece byte tokens
+    (<0xE2>) as their byte; any other token is its decoded text."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        kinds = re.findall(r'"type":\s*"(\w+)"', decoder.__getstate__().decode()) if decoder is not None else []
+        self.byte_level, self.byte_fallback = "ByteLevel" in kinds, "ByteFallback" in kinds
+        self.added = set(tokenizer.added_tokens_decoder)  # written as text, not through the byte alphabet
+
+    def __call__(self, token: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if token not in self.added and isinstance(piece, str):
+            if self.byte_fallback and (match := BYTE_TOKEN.fullmatch(piece)):
+                return bytes([int(match.group(1), 16)])
+            if self.byte_level and all(character in BYTE_OF_CHARACTER for character in piece):
+                return bytes(BYTE_OF_CHARACTER[character] for character in piece)
+        return self.tokenizer.decode([token]).encode()

@@ -211,6 +211,8 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (CHAT, dict(messages=[{"role": "user", "content": "Hi", "name": "bob"}]), 400, "messages.0.name",
      "not supported"),
     (CHAT, dict(messages=HELLO, top_logprobs=2), 400, None, "top_logprobs needs logprobs: true"),
+    (COMPLETIONS, dict(prompt="Hello", stream_options={"include_usage": True}), 400, None,
+     "stream_options needs stream: true"),
     (CHAT, dict(messages=HELLO, logprobs=True, top_logprobs=21), 400, "top_logprobs", "less than or equal to 20"),
     (COMPLETIONS, dict(prompt="Hello", logprobs=6), 400, "logprobs", "less than or equal to 5"),
     (COMPLETIONS, dict(prompt="Hello", seed=1 << 64), 400, "seed", "less than or equal to"),
@@ -416,6 +418,31 @@ def test_sdk_logprobs_on_chat_and_completions(client, reference):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == completion.usage.completion_tokens
     assert all(len(top) <= 2 for top in logprobs.top_logprobs) and all(v <= 0 for v in logprobs.token_logprobs)
     assert "".join(logprobs.tokens) == completion.choices[0].text
+
+
+def test_sdk_logprob_bytes_rebuild_characters_split_across_tokens(client):
+    """A token that holds part of a character reads as U+FFFD, but its `bytes` are its own (no UTF-8
+    text on their own), so that the tokens' bytes join into the text: OpenAI's reason for the field."""
+    def partial(entry) -> bool:
+        try:
+            bytes(entry.bytes).decode()
+            return False
+        except UnicodeDecodeError:
+            return True
+
+    for seed in range(20):  # sampling at temperature 2 soon draws such a token
+        reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=32, temperature=2.0,
+                                               seed=seed, logprobs=True, top_logprobs=2)
+        content = reply.choices[0].logprobs.content
+        if any(entry.token == "\ufffd" and partial(entry) for entry in content):
+            break
+    else:
+        pytest.fail("no sampled token came with the bytes of part of a character")
+    joined = b"".join(bytes(entry.bytes) for entry in content)
+    assert joined.decode(errors="replace") == reply.choices[0].message.content
+    for entry in content + [top for entry in content for top in entry.top_logprobs]:
+        assert partial(entry) or bytes(entry.bytes) == entry.token.encode()
+        assert not partial(entry) or entry.token == "\ufffd"
 
 
 def test_sdk_n_choices_are_rows_with_their_own_seeds(client):

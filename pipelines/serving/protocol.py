@@ -13,13 +13,14 @@ all its choices together; in a stream, each choice's last chunk carries that cho
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from domino.decoding import GenerationConfig, GenerationResult
 from domino.requests import GenerationStats, TokenLogprob
 from domino.sampling import SamplingParams
+from domino.text import TokenBytes
 
 # Optional response fields are left out of the JSON when unset (OpenAI omits them too).
 OMIT_WHEN_NONE = dict(default=None, exclude_if=lambda value: value is None)
@@ -51,10 +52,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="end the stream with a chunk holding usage (and no choices)")
 
 
+def given_only_with(field: str, flag: str) -> dict[str, Any]:
+    """JSON Schema: when `field` is given (not null), `flag` must be true."""
+    return {"if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+            "then": {"required": [flag], "properties": {flag: {"const": True}}}}
+
+
 class GenerationRequest(BaseModel):
     """The fields both endpoints share: which model, how long, how to sample, when to stop."""
 
-    model_config = ConfigDict(extra="forbid")
+    # fields that mean something only with a flag on: refused without it (and the schema says so)
+    NEEDS_FLAG: ClassVar[dict[str, str]] = {"stream_options": "stream"}
+    model_config = ConfigDict(extra="forbid", json_schema_extra=lambda schema, cls: schema.update(
+        allOf=[given_only_with(field, flag) for field, flag in cls.NEEDS_FLAG.items()]))
 
     model: str | None = Field(None, description="must name the served model when given")
     max_tokens: int | None = Field(None, gt=0, description="new tokens at most; the prompt plus these must fit "
@@ -68,7 +78,14 @@ class GenerationRequest(BaseModel):
                              description="the same seed gives the same tokens, whatever else the server runs")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, decoded side by side")
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="needs stream: true")
+
+    @model_validator(mode="after")
+    def _flags_on(self) -> "GenerationRequest":
+        for field, flag in self.NEEDS_FLAG.items():
+            if getattr(self, field) is not None and not getattr(self, flag):
+                raise ValueError(f"{field} needs {flag}: true")
+        return self
 
     def generation_config(self, prompt_tokens: int, context: int) -> GenerationConfig:
         """The engine's config. Without max_tokens, the request may fill the rest of the context."""
@@ -126,22 +143,13 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    # top_logprobs needs logprobs: true, as the validator below enforces
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+    NEEDS_FLAG = {**GenerationRequest.NEEDS_FLAG, "top_logprobs": "logprobs"}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0, description="OpenAI's newer name for max_tokens")
     logprobs: bool = Field(False, description="each token's log-probability under the model")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="most likely alternatives per token (needs logprobs: true)")
-
-    @model_validator(mode="after")
-    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -265,12 +273,13 @@ class Formatter:
 
     def __init__(self, chat: bool, ids: ResponseIds, tokenizer):
         self.chat, self.ids, self.tokenizer = chat, ids, tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
 
     def piece(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
     def _top(self, pairs: list[tuple[int, float]]) -> list[TopLogprob]:
-        return [TopLogprob(token=(text := self.piece(t)), logprob=v, bytes=list(text.encode())) for t, v in pairs]
+        return [TopLogprob(token=self.piece(t), logprob=v, bytes=list(self.token_bytes(t))) for t, v in pairs]
 
     def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0
                  ) -> ChatLogprobs | CompletionLogprobs | None:
@@ -279,7 +288,7 @@ class Formatter:
             return None
         if self.chat:
             return ChatLogprobs(content=[
-                ChatTokenLogprob(token=(text := self.piece(e.token)), logprob=e.logprob, bytes=list(text.encode()),
+                ChatTokenLogprob(token=self.piece(e.token), logprob=e.logprob, bytes=list(self.token_bytes(e.token)),
                                  top_logprobs=self._top(e.top)) for e in entries])
         pieces = [self.piece(e.token) for e in entries]
         offsets = [offset + sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
