@@ -2,7 +2,7 @@
 through the same functions, so temperature, top-k and top-p shape both alike.
 
 Random numbers are counter-based: each uniform a request draws is a pure function of its seed, the
-position where the round starts, the offset in the round and what it is for (`uniform`), and a token
+position where the round starts, the offset in the round and what it is for (`uniforms`), and a token
 is drawn by inverting its distribution's CDF at one of them. So no process-wide generator is touched;
 every round draws fresh numbers (no two rounds of a request start at one position), which
 speculative sampling's exactness needs; and a request's tokens depend on its own seed and history
@@ -18,6 +18,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from domino.errors import DominoError
@@ -69,11 +70,18 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logp.exp()
 
 
-def _splitmix(x: int) -> int:
-    x = (x + GOLDEN) & UINT64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & UINT64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & UINT64
-    return x ^ (x >> 31)
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's output function on uint64 arrays (their arithmetic wraps, as it must)."""
+    x = x + np.uint64(GOLDEN)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _words(values) -> np.ndarray:
+    """Python ints (negative ones in two's complement) as a uint64 array of at least one dimension
+    (numpy warns on overflow in scalars, not in arrays)."""
+    return np.atleast_1d(np.array(values, dtype=object) & UINT64).astype(np.uint64)
 
 
 def fresh_seed() -> int:
@@ -83,19 +91,20 @@ def fresh_seed() -> int:
 
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice `index` of a request asking for several (choice 0 keeps the request's)."""
-    return seed if index == 0 else _splitmix(_splitmix(seed & UINT64) ^ index) >> 1
+    return seed if index == 0 else int(_splitmix(_splitmix(_words(seed)) ^ _words(index))[0]) >> 1
 
 
 DRAFT, ACCEPT, TARGET = 0, 1, 2  # what a round's random number is for
 
 
-def uniform(seed: int, start: int, offset: int, purpose: int) -> float:
-    """A uniform in (0, 1) for `purpose` at `offset` in the round starting at position `start` of the
-    request with `seed`: a pure function of the four (splitmix64 over each in turn, 53 bits)."""
-    x = _splitmix(seed & UINT64)
-    for value in (start, offset, purpose):
+def uniforms(seeds: list[int], starts: list[int], offsets: range, purpose: int) -> np.ndarray:
+    """(len(seeds), len(offsets)) uniforms in (0, 1): entry [r, k] is for `purpose` at offset k of the
+    round starting at position starts[r] of the request with seeds[r], a pure function of the four
+    (splitmix64 over each in turn, 53 bits)."""
+    x = _splitmix(_words(seeds))[:, None]
+    for value in (_words(starts)[:, None], _words(list(offsets))[None, :], _words(purpose)):
         x = _splitmix(x ^ value)
-    return ((x >> 11) + 0.5) * 2.0 ** -53
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -145,8 +154,11 @@ class RowSampling:
     def uniforms(self, purpose: int, offsets: range, device: torch.device | str = "cpu") -> torch.Tensor:
         """(n, len(offsets)): each row's uniforms for `purpose` at those offsets of its round (0.5 for
         greedy rows, which draw nothing)."""
-        return torch.tensor([[uniform(seed, start, k, purpose) if seed is not None else 0.5 for k in offsets]
-                             for seed, start in zip(self.seeds, self.start)], dtype=torch.float64, device=device)
+        u = np.full((len(self.seeds), len(offsets)), 0.5)
+        drawn = [r for r, seed in enumerate(self.seeds) if seed is not None]
+        if drawn:
+            u[drawn] = uniforms([self.seeds[r] for r in drawn], [self.start[r] for r in drawn], offsets, purpose)
+        return torch.from_numpy(u).to(device)
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafter's proposal per row of logits (n, V) at the round's next offset: the argmax for

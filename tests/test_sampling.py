@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig
-from domino.sampling import SamplingParams, point_masses
+from domino.sampling import RowSampling, SamplingParams, choice_seed, point_masses, uniforms
 from domino.scheduler import ConfidenceScheduler, SPSProfile, ThresholdVerify
 from helpers import tiny_drafter, tiny_target
 
@@ -202,3 +202,35 @@ def test_point_masses_are_one_hot_distributions_in_the_asked_dtype():
     tokens = torch.tensor([[3, 0, 6], [5, 2, 2]])
     masses = point_masses(tokens, 7, torch.float64)
     assert masses.dtype == torch.float64 and torch.equal(masses, F.one_hot(tokens, 7).double())
+
+
+def splitmix64(x: int) -> int:
+    """The textbook splitmix64 output function on Python ints: the oracle for the numpy one."""
+    mask = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+def test_uniforms_are_splitmix64_over_seed_start_offset_and_purpose():
+    """The vectorised numbers equal the scalar definition bit for bit, wrapping included (negative and
+    63-bit seeds), so a seed's tokens do not depend on how the numbers are computed."""
+    seeds = [0, 1, -1, 12345, -(1 << 53) + 1, (1 << 63) - 1, 0x9E3779B97F4A7C15 >> 1]
+    starts = [0, 7, 2047, 3, 100000, 1, 42]
+    for purpose in range(3):
+        u = uniforms(seeds, starts, range(2, 9), purpose)
+        for r, (seed, start) in enumerate(zip(seeds, starts)):
+            for k, offset in enumerate(range(2, 9)):
+                x = splitmix64(seed & ((1 << 64) - 1))
+                for value in (start, offset, purpose):
+                    x = splitmix64(x ^ value)
+                assert u[r, k] == ((x >> 11) + 0.5) * 2.0 ** -53
+    assert 0 < u.min() and u.max() < 1
+    assert [choice_seed(-5, i) for i in range(3)] == [-5] + [splitmix64(splitmix64((-5) & ((1 << 64) - 1)) ^ i) >> 1
+                                                            for i in (1, 2)]
+    rows = RowSampling([SamplingParams(0.7), SamplingParams(), SamplingParams(1.0)], [seeds[0], None, seeds[2]],
+                       torch.tensor(starts[:3]))
+    table = rows.uniforms(1, range(2, 9))
+    assert table.dtype == torch.float64 and (table[1] == 0.5).all()  # a greedy row draws nothing
+    assert torch.equal(table[[0, 2]], torch.from_numpy(uniforms([seeds[0], seeds[2]], starts[:3:2], range(2, 9), 1)))
