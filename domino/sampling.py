@@ -97,13 +97,16 @@ def choice_seed(seed: int, index: int) -> int:
 DRAFT, ACCEPT, TARGET = 0, 1, 2  # what a round's random number is for
 
 
-def uniforms(seeds: list[int], starts: list[int], offsets: range, purpose: int) -> np.ndarray:
-    """(len(seeds), len(offsets)) uniforms in (0, 1): entry [r, k] is for `purpose` at offset k of the
-    round starting at position starts[r] of the request with seeds[r], a pure function of the four
-    (splitmix64 over each in turn, 53 bits)."""
-    x = _splitmix(_words(seeds))[:, None]
-    for value in (_words(starts)[:, None], _words(list(offsets))[None, :], _words(purpose)):
-        x = _splitmix(x ^ value)
+def row_keys(seeds: list[int], starts: list[int]) -> np.ndarray:
+    """Each row's seed and round start, hashed once a round: what all its uniforms of the round share."""
+    return _splitmix(_splitmix(_words(seeds)) ^ _words(starts))
+
+
+def uniforms(keys: np.ndarray, offsets: range, purpose: int) -> np.ndarray:
+    """(len(keys), len(offsets)) uniforms in (0, 1): entry [r, k] is for `purpose` at offset k of row r's
+    round, a pure function of seed, start, offset and purpose (splitmix64 over each in turn, 53 bits)."""
+    x = _splitmix(keys[:, None] ^ np.array(offsets, dtype=np.uint64)[None, :])
+    x = _splitmix(x ^ np.uint64(purpose))
     return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
 
 
@@ -132,7 +135,10 @@ class RowSampling:
         self.params = params
         self.seeds = [fresh_seed() if seed is None and not p.greedy else seed for p, seed in zip(params, seeds)]
         self.greedy = torch.tensor([p.greedy for p in params])
-        self.start = start.tolist() if start is not None else [0] * len(params)
+        starts = start.tolist() if start is not None else [0] * len(params)
+        self.drawn = [r for r, seed in enumerate(self.seeds) if seed is not None]  # rows that draw numbers
+        self.keys = row_keys([self.seeds[r] for r in self.drawn], [starts[r] for r in self.drawn])
+        self.tables: dict[int, torch.Tensor] = {}  # purpose -> uniforms at the round's first offsets
         self.calls = 0
 
     @property
@@ -154,10 +160,10 @@ class RowSampling:
     def uniforms(self, purpose: int, offsets: range, device: torch.device | str = "cpu") -> torch.Tensor:
         """(n, len(offsets)): each row's uniforms for `purpose` at those offsets of its round (0.5 for
         greedy rows, which draw nothing)."""
-        u = np.full((len(self.seeds), len(offsets)), 0.5)
-        drawn = [r for r, seed in enumerate(self.seeds) if seed is not None]
-        if drawn:
-            u[drawn] = uniforms([self.seeds[r] for r in drawn], [self.start[r] for r in drawn], offsets, purpose)
+        u = uniforms(self.keys, offsets, purpose)
+        if len(self.drawn) < len(self.seeds):
+            u, drawn = np.full((len(self.seeds), len(offsets)), 0.5), u
+            u[self.drawn] = drawn
         return torch.from_numpy(u).to(device)
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -178,6 +184,14 @@ class RowSampling:
             return tokens, None
         probs = self.probabilities(logits)
         sampled = ~self.greedy.to(logits.device)
-        u = self.uniforms(purpose, range(offset, offset + 1), logits.device)[:, 0]
+        u = self._uniforms_at(purpose, offset, logits.device)
         tokens[sampled] = draw(probs[sampled], u[sampled])
         return tokens, probs
+
+    def _uniforms_at(self, purpose: int, offset: int, device: torch.device) -> torch.Tensor:
+        """(n,) uniforms for `purpose` at one offset, read from a table of the round's first offsets made
+        in one call: drafting asks for one offset per block position."""
+        table = self.tables.get(purpose)
+        if table is None or offset >= table.shape[1]:
+            table = self.tables[purpose] = self.uniforms(purpose, range(max(16, 2 * (offset + 1))), device)
+        return table[:, offset]

@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig
-from domino.sampling import RowSampling, SamplingParams, choice_seed, point_masses, uniforms
+from domino.sampling import RowSampling, SamplingParams, choice_seed, point_masses, row_keys, uniforms
 from domino.scheduler import ConfidenceScheduler, SPSProfile, ThresholdVerify
 from helpers import tiny_drafter, tiny_target
 
@@ -219,7 +219,7 @@ def test_uniforms_are_splitmix64_over_seed_start_offset_and_purpose():
     seeds = [0, 1, -1, 12345, -(1 << 53) + 1, (1 << 63) - 1, 0x9E3779B97F4A7C15 >> 1]
     starts = [0, 7, 2047, 3, 100000, 1, 42]
     for purpose in range(3):
-        u = uniforms(seeds, starts, range(2, 9), purpose)
+        u = uniforms(row_keys(seeds, starts), range(2, 9), purpose)
         for r, (seed, start) in enumerate(zip(seeds, starts)):
             for k, offset in enumerate(range(2, 9)):
                 x = splitmix64(seed & ((1 << 64) - 1))
@@ -233,4 +233,4 @@ def test_uniforms_are_splitmix64_over_seed_start_offset_and_purpose():
                        torch.tensor(starts[:3]))
     table = rows.uniforms(1, range(2, 9))
     assert table.dtype == torch.float64 and (table[1] == 0.5).all()  # a greedy row draws nothing
-    assert torch.equal(table[[0, 2]], torch.from_numpy(uniforms([seeds[0], seeds[2]], starts[:3:2], range(2, 9), 1)))
+    assert torch.equal(table[[0, 2]], torch.from_numpy(uniforms(row_keys(seeds[:3:2], starts[:3:2]), range(2, 9), 1)))
