@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from transformers import PreTrainedTokenizerBase
@@ -11,16 +12,28 @@ BYTE_OF_CHARACTER = {character: byte for byte, character in bytes_to_unicode().i
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
+# transformers' clean-up of spaces (" ' " -> "'", then " n't" -> "n't") rewrites text up to this many
+# characters before its end (the space before "n '"), so a tokenizer that cleans up holds them back
+CLEAN_UP_REACH = 4
+
+
+def cleans_up_spaces(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether decoding removes spaces before punctuation: a rewrite of text already decoded when the
+    next token comes (WordPiece tokenizers do; transformers skips it for BPE ones)."""
+    ids = tokenizer("a . b 's", add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(ids) != tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
 class TextStream:
     """Decodes the generated tokens incrementally. Text is released only when it can no longer change:
     a trailing partial UTF-8 character is held back, and so is any tail that could still grow into a
     stop string. A stop string ends the text before it (it is not part of the output).
 
-    Each push decodes only the tokens of the last two pushes, not the whole output: the text of the
-    tokens up to the last complete character is kept (`settled`), and the tokens after it are decoded
-    together with the ones before it, so that a tokenizer that treats a sequence's first token
-    specially (SentencePiece drops its leading space) decodes them as it would in the whole text.
-    A tokenizer whose decoding is not local in this way is decoded whole each time."""
+    Each push decodes the tokens of the last two pushes or so, not the whole output (quadratic in its
+    length): the text up to the last complete character is kept (`settled`), and the tokens after it
+    are decoded together with those of the push before, so that a tokenizer that treats a sequence's
+    first token specially (SentencePiece drops its leading space) decodes them as in the whole text.
+    A tokenizer that cleans up spaces rewrites earlier text, so it is decoded whole each time."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
@@ -28,9 +41,13 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""  # everything released so far
         self.stopped = False
+        self.whole = cleans_up_spaces(tokenizer)  # decode everything each push
+        self.hold = max([len(s) - 1 for s in self.stop_strings] + [CLEAN_UP_REACH if self.whole else 0])
         self._settled = 0  # the text of tokens[:_settled] is _settled_text, whatever tokens follow
         self._settled_text = ""
-        self._context = 0  # where each decode starts: the settled point before the last that added text
+        # where each decode starts: the settled point before the last one that added text, so that the
+        # tokens decoded again always hold one that is not a special token (decoding skips those)
+        self._context = 0
 
     def push(self, tokens: list[int], final: bool = False) -> str:
         """Add committed tokens; return the newly released text. `final` releases everything left.
@@ -39,32 +56,35 @@ class TextStream:
         tokens a round commits."""
         before = len(self.tokens)
         self.tokens.extend(tokens)
-        full = self._decode(len(self.tokens))
+        full = self._text(len(self.tokens))
         if self._stop_at(full) != -1:
-            kept = next(k for k in range(before + 1, len(self.tokens) + 1) if self._stop_at(self._decode(k)) != -1)
+            kept = next(k for k in range(before + 1, len(self.tokens) + 1) if self._stop_at(self._text(k)) != -1)
             del self.tokens[kept:]
-            full = self._decode(kept)
+            full = self._text(kept)
             full, self.stopped, final = full[:self._stop_at(full)], True, True
         elif not full.endswith("\ufffd") and len(self.tokens) > self._settled:
-            if full != self._settled_text:  # the context keeps a token with text, not only special ones
+            if full != self._settled_text:
                 self._context = self._settled
             self._settled, self._settled_text = len(self.tokens), full
         if not final:
             if full.endswith("\ufffd"):  # a multi-byte character still arriving
                 full = full.rstrip("\ufffd")
-            hold = max((len(s) - 1 for s in self.stop_strings), default=0)
-            full = full[: max(len(self.text), len(full) - hold)]
+            full = full[: max(len(self.text), len(full) - self.hold)]
         delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += delta
         return delta
 
-    def _decode(self, count: int) -> str:
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text(self, count: int) -> str:
         """The text of tokens[:count], for count >= the settled point."""
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        known = decode(self.tokens[self._context:self._settled])
-        text = decode(self.tokens[self._context:count])
-        if not text.startswith(known):
-            return decode(self.tokens[:count])
+        if self.whole:
+            return self._decode(self.tokens[:count])
+        known = self._decode(self.tokens[self._context:self._settled])
+        text = self._decode(self.tokens[self._context:count])
+        if not text.startswith(known):  # decoding is not local for this tokenizer here
+            return self._decode(self.tokens[:count])
         return self._settled_text + text[len(known):]
 
     def _stop_at(self, full: str) -> int:
@@ -82,7 +102,9 @@ class TokenBytes:
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        kinds = re.findall(r'"type":\s*"(\w+)"', decoder.__getstate__().decode()) if decoder is not None else []
+        steps = [] if decoder is None else [json.loads(decoder.__getstate__())]
+        steps += steps[0].get("decoders", []) if steps else []  # the steps of a Sequence decoder
+        kinds = {step["type"] for step in steps}
         self.byte_level, self.byte_fallback = "ByteLevel" in kinds, "ByteFallback" in kinds
         self.added = set(tokenizer.added_tokens_decoder)  # written as text, not through the byte alphabet
 

@@ -1,21 +1,23 @@
 """Streamed text and token bytes against the tokenizer's own decoding of the whole output, on the
-target's byte-level BPE tokenizer and on a SentencePiece-style one (leading-space marker, byte
-fallback) built here, for any way a generation splits its tokens into rounds."""
+target's byte-level BPE tokenizer and on two built here, a SentencePiece-style one (leading-space
+marker, byte fallback) and a WordPiece one that cleans up spaces before punctuation, for any way a
+generation splits its tokens into rounds."""
 
 import string
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, normalizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from domino.embedded import convert_embedded
 from domino.text import TextStream, TokenBytes
 
 # words with characters of 1 to 4 UTF-8 bytes, which tokenizers split across tokens
-WORDS = ["the", "cat", "at", "mat", "naïve", "café", "中文", "😀", "🤖🤖", "—", "x", "\n", "  ", "ok."]
-STOPS = ["cat", "😀", "t\n", "é", "e c"]
+WORDS = ["the", "cat", "at", "mat", "naïve", "café", "中文", "😀", "🤖🤖", "—", "x", "\n", "  ", "ok.", "don't",
+         "it's", "n", "'", "?"]
+STOPS = ["cat", "😀", "t\n", "é", "e c", "'s"]
 
 
 def sentencepiece_style() -> PreTrainedTokenizerFast:
@@ -34,8 +36,20 @@ def sentencepiece_style() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
+def wordpiece() -> PreTrainedTokenizerFast:
+    """A BERT-style tokenizer: its decoding joins tokens with spaces, then removes those before
+    punctuation and in contractions ("don ' t" -> "don't"), so later tokens rewrite earlier text."""
+    words = ["the", "cat", "at", "mat", "ok", "don", "it", "n", "t", "s", "x", "##s", "##t"]
+    vocab = {"[UNK]": 0, "[SEP]": 1} | {w: i + 2 for i, w in enumerate(words + list(string.punctuation))}
+    backend = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[SEP]",
+                                   clean_up_tokenization_spaces=True)
+
+
 TOKENIZERS = {"byte-level": AutoTokenizer.from_pretrained(convert_embedded("smollm2-135m")),
-              "sentencepiece": sentencepiece_style()}
+              "sentencepiece": sentencepiece_style(), "wordpiece": wordpiece()}
 
 
 def generated(tokenizer, words: list[str]) -> list[int]:
@@ -70,6 +84,7 @@ sizes = st.lists(st.integers(1, 9), min_size=1, max_size=6)
 
 @pytest.mark.parametrize("kind", TOKENIZERS)
 @given(words=words, sizes=sizes)
+@example(words=["cat", "n", "'", "the"], sizes=[1])  # WordPiece: "cat n '" becomes "catn'the"
 @settings(max_examples=60, deadline=None, database=None)
 def test_released_text_is_the_decode_of_the_whole_output(kind, words, sizes):
     tokenizer = TOKENIZERS[kind]
