@@ -91,7 +91,8 @@ class RequestStream:
                 if isinstance(item, Exception):
                     self.done = True
                     raise item
-                self.done = item.finished
+                if item.finished:  # (a cancel may have set done already: it stays)
+                    self.done = True
                 yield item
         finally:
             self.cancel()
