@@ -176,6 +176,7 @@ class DecodingEngine:
             context = ContextCache(project=self.drafter.context_kv)
             self.drafter.extend_context(context, out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
             state.history = self.drafter.new_history(state.prompt)
+            target.synchronize()
             state.stats.draft_s += time.perf_counter() - begin
         return cache, context, first, logprobs
 
@@ -256,6 +257,8 @@ class DecodingEngine:
             draft = self._propose(states, anchors, positions, sampling, caps)
             if draft is not None:
                 lengths = self.policy.lengths(caps, draft.confidence, draft.copied)
+        # each clock read waits for the device's work: nearly free, since a read of its results follows
+        self.target.synchronize()
         drafted = time.perf_counter()
 
         width = int(lengths.max())
@@ -280,6 +283,7 @@ class DecodingEngine:
         if isinstance(self.drafter, Drafter):
             self.caches.context.stage(out.features, slot_positions)  # projected when next drafted
         self.caches.settle(offsets < 1 + accepted[:, None])
+        self.target.synchronize()
         settled = time.perf_counter()
         self.policy.observe(tried, len(states), int(accepted.sum()) + len(states), settled - start)
 
