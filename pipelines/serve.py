@@ -210,6 +210,9 @@ async def relayed(first: str, chunks: DeploymentResponseGenerator) -> AsyncItera
         chunks.cancel()  # the client left (or the stream ended): stop the generation
 
 
+HEALTH_WAIT_S = 5.0
+
+
 @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class OpenAIServer:
@@ -222,7 +225,13 @@ class OpenAIServer:
 
     @api.get("/health")
     async def health(self) -> dict:
-        return await unwrapped(self.engine.health.remote())
+        """The answer of a replica, or "busy" when every replica's request slots stayed taken for
+        HEALTH_WAIT_S: the health call queues behind generations, and a probe must not hang under load
+        (Serve itself restarts a replica whose engine thread stopped)."""
+        try:
+            return await asyncio.wait_for(unwrapped(self.engine.health.remote()), HEALTH_WAIT_S)
+        except TimeoutError:
+            return {"status": "busy", "model": self.limits.model, "in_flight": None}
 
     @api.get("/v1/models")
     async def models(self) -> ModelList:

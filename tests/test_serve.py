@@ -213,6 +213,8 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (CHAT, dict(messages=HELLO, top_logprobs=2), 400, None, "top_logprobs needs logprobs: true"),
     (COMPLETIONS, dict(prompt="Hello", stream_options={"include_usage": True}), 400, None,
      "stream_options needs stream: true"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "abc \\ud83d"}]}', 400, "messages.0.content",
+     "lone UTF-16 surrogate"),
     (CHAT, dict(messages=HELLO, logprobs=True, top_logprobs=21), 400, "top_logprobs", "less than or equal to 20"),
     (COMPLETIONS, dict(prompt="Hello", logprobs=6), 400, "logprobs", "less than or equal to 5"),
     (COMPLETIONS, dict(prompt="Hello", seed=1 << 64), 400, "seed", "less than or equal to"),
@@ -243,6 +245,17 @@ def test_bad_input_gets_an_openai_error_and_the_replica_stays_healthy(server, pa
     good = post(server, path if path == COMPLETIONS else CHAT, max_tokens=2, temperature=0,
                 **({"prompt": "Hello"} if path == COMPLETIONS else {"messages": HELLO}))
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_null_options_mean_their_defaults(server):
+    """Clients may send null for an option left unset (OpenAI's spec allows it for these)."""
+    nulls = dict(temperature=None, top_p=None, top_k=None, n=None, stream=None, logprobs=None, stop=None)
+    with_nulls = post(server, COMPLETIONS, prompt="Hello", max_tokens=6, seed=5, **nulls)
+    without = post(server, COMPLETIONS, prompt="Hello", max_tokens=6, seed=5)
+    assert with_nulls.status_code == 200, with_nulls.text
+    assert with_nulls.json()["choices"] == without.json()["choices"]
+    chat = post(server, CHAT, messages=HELLO, max_tokens=2, logprobs=None, top_logprobs=None, stream_options=None)
+    assert chat.status_code == 200, chat.text
 
 
 def test_unknown_routes_get_an_error_body(server):
@@ -278,6 +291,35 @@ def test_concurrent_requests_progress_together(server):
 
 def in_flight(server: str) -> int:
     return requests.get(f"{server}/health", timeout=30).json()["in_flight"]
+
+
+def test_health_answers_while_every_request_slot_is_taken(server):
+    """64 long streams fill both replicas' 32 request slots; the health call, which queues behind them,
+    still answers within its 5 s wait (as "busy", or "ok" from a slot that freed up)."""
+    opened, stop = [], threading.Event()
+
+    def hold() -> None:
+        body = dict(prompt="The", max_tokens=1500, stop="zzzz", temperature=0, stream=True)
+        with requests.post(f"{server}{COMPLETIONS}", json=body, stream=True, timeout=120) as response:
+            opened.append(response.status_code)
+            for _ in response.iter_lines():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=hold) for _ in range(64)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert wait_for(lambda: len(opened) == 64, timeout=60)
+        started = time.monotonic()
+        health = requests.get(f"{server}/health", timeout=30)
+        assert health.status_code == 200 and health.json()["status"] in ("ok", "busy")
+        assert time.monotonic() - started < 10
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert wait_for(lambda: in_flight(server) == 0, timeout=30)
 
 
 def test_a_disconnected_stream_stops_its_generation(server):

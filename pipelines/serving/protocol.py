@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from domino.decoding import GenerationConfig, GenerationResult
 from domino.requests import GenerationStats, TokenLogprob
@@ -46,6 +46,18 @@ class ErrorResponse(BaseModel):
 # -- requests --------------------------------------------------------------------------------------
 
 
+def utf8_encodable(text: str) -> str:
+    """JSON may carry a lone surrogate (\\ud83d); no tokenizer takes it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("the text holds a lone UTF-16 surrogate, which is not a character") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(utf8_encodable)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -72,7 +84,7 @@ class GenerationRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="extension: keep the k most likely tokens (0 turns it off)")
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
+    stop: Text | Annotated[list[Text], Field(max_length=16)] | None = Field(
         None, description="stop strings; the text ends before them")
     seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED,
                              description="the same seed gives the same tokens, whatever else the server runs")
@@ -86,6 +98,15 @@ class GenerationRequest(BaseModel):
             if getattr(self, field) is not None and not getattr(self, flag):
                 raise ValueError(f"{field} needs {flag}: true")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's clients may send null for an option left unset: it means the default."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
 
     def generation_config(self, prompt_tokens: int, context: int) -> GenerationConfig:
         """The engine's config. Without max_tokens, the request may fill the rest of the context."""
@@ -113,7 +134,8 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
+    prompt: (Annotated[str, Field(min_length=1), AfterValidator(utf8_encodable)]
+             | Annotated[list[TokenId], Field(min_length=1)]) = Field(
         description="raw text (no chat template) or token ids (each below the model's vocabulary size)")
     max_tokens: int | None = Field(16, gt=0, description="new tokens at most (OpenAI's default: 16)")
     logprobs: int | None = Field(None, ge=0, le=5, description="each token's log-probability under the model, "
@@ -127,14 +149,14 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def as_template_input(self) -> dict[str, str]:
         """The {role, content} dict a chat template expects, text parts joined."""
