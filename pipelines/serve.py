@@ -235,7 +235,17 @@ class OpenAIServer:
 
     @api.get("/v1/models")
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.limits.model, created=self.created)])
+        return ModelList(data=[self.card()])
+
+    @api.get("/v1/models/{model:path}", responses=ERRORS)  # a path: hub ids hold a slash
+    async def model(self, model: str) -> ModelCard:
+        if model != self.limits.model:
+            raise ApiError(404, f"the model '{model}' is not served here; this server serves '{self.limits.model}'",
+                           type="not_found_error", param="model", code="model_not_found")
+        return self.card()
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.limits.model, created=self.created)
 
     @api.post("/v1/completions", response_model=CompletionResponse, responses={
         **ERRORS, 200: {"content": SSE_CONTENT,

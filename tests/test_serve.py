@@ -419,7 +419,11 @@ def test_sdk_chat_completions_and_streaming(client, reference):
 
 
 def test_sdk_models_and_streamed_completions(client):
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    import openai
+
+    assert [m.id for m in client.models.list()] == ["tiny"] and client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="'gpt-9' is not served here"):
+        client.models.retrieve("gpt-9")
     whole = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0)
     chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0,
                                             stream=True))
