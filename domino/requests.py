@@ -114,6 +114,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    text_offset: int = 0  # where the token's text starts in the request's text (set when committed)
 
 
 @dataclass
@@ -144,7 +145,8 @@ class RequestState:
             raise DominoError("stop strings need a tokenizer, and this target has none")
         self.prompt, self.config = list(prompt_ids), config
         self.stop_ids = set(target.stop_token_ids if config.stop_token_ids is None else config.stop_token_ids)
-        self.text = TextStream(target.tokenizer, config.stop_strings) if target.tokenizer is not None else None
+        self.text = (TextStream(target.tokenizer, config.stop_strings, offsets=config.logprobs is not None)
+                     if target.tokenizer is not None else None)
         self.seed = config.seed if config.seed is not None else fresh_seed()
         self.tokens: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None
@@ -194,6 +196,10 @@ class RequestState:
         if self.history is not None:
             self.history.extend(new)
         if self.logprobs is not None and logprobs is not None:
-            self.logprobs.extend(logprobs[:len(new)])
+            kept = logprobs[:len(new)]
+            if self.text is not None:
+                for entry, offset in zip(kept, self.text.offsets[len(self.tokens) - len(new):]):
+                    entry.text_offset = offset
+            self.logprobs.extend(kept)
         self.stats.new_tokens = len(self.tokens)
         return new, text

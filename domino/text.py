@@ -35,10 +35,14 @@ class TextStream:
     first token specially (SentencePiece drops its leading space) decodes them as in the whole text.
     A tokenizer that cleans up spaces rewrites earlier text, so it is decoded whole each time."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str] | tuple[str, ...] = (),
+                 offsets: bool = False):
         self.tokenizer = tokenizer
         self.stop_strings = [s for s in stop_strings if s]
         self.tokens: list[int] = []
+        # with `offsets`, where each token's text starts in the text (OpenAI's text_offset): the length of
+        # the text before it, less a character it completes
+        self.offsets: list[int] | None = [] if offsets else None
         self.text = ""  # everything released so far
         self.stopped = False
         self.whole = cleans_up_spaces(tokenizer)  # decode everything each push
@@ -56,10 +60,14 @@ class TextStream:
         tokens a round commits."""
         before = len(self.tokens)
         self.tokens.extend(tokens)
+        if self.offsets is not None:
+            self.offsets += [len(self._text(k).rstrip("\ufffd")) for k in range(before, len(self.tokens))]
         full = self._text(len(self.tokens))
         if self._stop_at(full) != -1:
             kept = next(k for k in range(before + 1, len(self.tokens) + 1) if self._stop_at(self._text(k)) != -1)
             del self.tokens[kept:]
+            if self.offsets is not None:
+                del self.offsets[kept:]
             full = self._text(kept)
             full, self.stopped, final = full[:self._stop_at(full)], True, True
         elif not full.endswith("\ufffd") and len(self.tokens) > self._settled:

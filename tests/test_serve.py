@@ -166,6 +166,18 @@ def test_streamed_chunks_concatenate_to_the_full_text(server, path, body):
     assert "usage" not in events(server, path, **body)[-1]  # usage only when asked for
 
 
+def test_streamed_completion_logprobs_equal_the_whole_ones(server):
+    """Text held back for a stop string does not shift the streamed tokens' text_offset."""
+    body = dict(prompt="Hello, my name is", max_tokens=20, temperature=0, logprobs=1, stop="zzzzzzzz")
+    whole = post(server, COMPLETIONS, **body).json()["choices"][0]
+    parts = [c["choices"][0]["logprobs"] for c in events(server, COMPLETIONS, **body)
+             if c["choices"] and c["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert sum((part[key] for part in parts), []) == whole["logprobs"][key]
+    offsets, tokens = whole["logprobs"]["text_offset"], whole["logprobs"]["tokens"]
+    assert all(whole["text"][offset:].startswith(token) for offset, token in zip(offsets, tokens))
+
+
 def test_stop_strings_end_the_text_before_them(server):
     full = post(server, "/v1/completions", prompt="Hello world", max_tokens=40, temperature=0).json()
     text = full["choices"][0]["text"]

@@ -114,6 +114,21 @@ def test_a_stop_string_cuts_tokens_and_text_as_one_token_rounds_would(kind, word
         assert not any(s in whole for s in stops) and text.text == whole
 
 
+@pytest.mark.parametrize("kind", TOKENIZERS)
+@given(words=words, sizes=sizes, stops=st.lists(st.sampled_from(STOPS), max_size=1))
+@settings(max_examples=40, deadline=None, database=None)
+def test_text_offsets_are_where_each_token_starts_whatever_the_rounds(kind, words, sizes, stops):
+    tokenizer = TOKENIZERS[kind]
+    ids = generated(tokenizer, words)
+    text = TextStream(tokenizer, stops, offsets=True)
+    for i, chunk in enumerate(rounds(ids, sizes)):
+        text.push(chunk, final=False)
+        if text.stopped:
+            break
+    decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+    assert text.offsets == [len(decode(text.tokens[:i]).rstrip("\ufffd")) for i in range(len(text.tokens))]
+
+
 @given(words=words)
 @settings(max_examples=60, deadline=None, database=None)
 def test_token_bytes_join_into_the_text_even_inside_a_character(words):

@@ -197,7 +197,6 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Event
 async def event_stream(formatter: Formatter, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events for one request; closing it (the client left) cancels the generation."""
     results: list[GenerationResult | None] = [None] * len(streams)
-    offsets = [0] * len(streams)  # text sent so far per choice (completions' text_offset)
     try:
         if formatter.chat:
             for index in range(len(streams)):
@@ -205,8 +204,7 @@ async def event_stream(formatter: Formatter, streams: list[RequestStream], inclu
         async for index, event in merged(streams):
             result = checked(event.result) if event.finished else None
             if event.text or event.logprobs:
-                yield sse(formatter.chunk(index, event.text, event.logprobs, offsets[index]))
-                offsets[index] += len(event.text)
+                yield sse(formatter.chunk(index, event.text, event.logprobs))
             if result is not None:
                 results[index] = result
                 yield sse(formatter.chunk(index, None, result=result))

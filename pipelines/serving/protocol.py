@@ -303,20 +303,18 @@ class Formatter:
     def _top(self, pairs: list[tuple[int, float]]) -> list[TopLogprob]:
         return [TopLogprob(token=self.piece(t), logprob=v, bytes=list(self.token_bytes(t))) for t, v in pairs]
 
-    def logprobs(self, entries: list[TokenLogprob] | None, offset: int = 0
-                 ) -> ChatLogprobs | CompletionLogprobs | None:
-        """`entries` in the endpoint's format; `offset`: the length of the text before them."""
+    def logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | CompletionLogprobs | None:
+        """`entries` in the endpoint's format."""
         if entries is None:
             return None
         if self.chat:
             return ChatLogprobs(content=[
                 ChatTokenLogprob(token=self.piece(e.token), logprob=e.logprob, bytes=list(self.token_bytes(e.token)),
                                  top_logprobs=self._top(e.top)) for e in entries])
-        pieces = [self.piece(e.token) for e in entries]
-        offsets = [offset + sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
-        return CompletionLogprobs(tokens=pieces, token_logprobs=[e.logprob for e in entries],
+        return CompletionLogprobs(tokens=[self.piece(e.token) for e in entries],
+                                  token_logprobs=[e.logprob for e in entries],
                                   top_logprobs=[{self.piece(t): v for t, v in e.top} for e in entries],
-                                  text_offset=offsets)
+                                  text_offset=[e.text_offset for e in entries])
 
     def complete(self, results: list[GenerationResult]) -> CompletionResponse | ChatCompletionResponse:
         """The whole reply of a request that is not streamed, one choice per result."""
@@ -329,7 +327,7 @@ class Formatter:
             CompletionChoice(index=i, text=r.text or "", logprobs=self.logprobs(r.logprobs),
                              finish_reason=r.finish_reason) for i, r in enumerate(results)])
 
-    def chunk(self, index: int, text: str | None, logprobs: list[TokenLogprob] | None = None, offset: int = 0,
+    def chunk(self, index: int, text: str | None, logprobs: list[TokenLogprob] | None = None,
               result: GenerationResult | None = None, role: bool = False) -> CompletionResponse | ChatCompletionChunk:
         """One streamed object for choice `index`: new text, or (with `result`) the choice's last one,
         carrying its finish reason and statistics."""
@@ -339,7 +337,7 @@ class Formatter:
             delta = Delta(role="assistant" if role else None, content=text)
             choice = ChatChunkChoice(index=index, delta=delta, logprobs=self.logprobs(logprobs), finish_reason=finish)
             return ChatCompletionChunk(**self.ids.model_dump(), metrics=metrics, choices=[choice])
-        choice = CompletionChoice(index=index, text=text or "", logprobs=self.logprobs(logprobs, offset),
+        choice = CompletionChoice(index=index, text=text or "", logprobs=self.logprobs(logprobs),
                                   finish_reason=finish)
         return CompletionResponse(**self.ids.model_dump(), metrics=metrics, choices=[choice])
 
