@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -17,6 +18,7 @@ BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallbac
 CLEAN_UP_REACH = 4
 
 
+@functools.lru_cache(maxsize=16)  # a fact about the tokenizer, asked by every request's TextStream
 def cleans_up_spaces(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether decoding removes spaces before punctuation: a rewrite of text already decoded when the
     next token comes (WordPiece tokenizers do; transformers skips it for BPE ones)."""
