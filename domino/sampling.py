@@ -160,10 +160,11 @@ class RowSampling:
     def uniforms(self, purpose: int, offsets: range, device: torch.device | str = "cpu") -> torch.Tensor:
         """(n, len(offsets)): each row's uniforms for `purpose` at those offsets of its round (0.5 for
         greedy rows, which draw nothing)."""
-        u = uniforms(self.keys, offsets, purpose)
-        if len(self.drawn) < len(self.seeds):
-            u, drawn = np.full((len(self.seeds), len(offsets)), 0.5), u
-            u[self.drawn] = drawn
+        drawn = uniforms(self.keys, offsets, purpose)
+        if len(self.drawn) == len(self.seeds):
+            return torch.from_numpy(drawn).to(device)
+        u = np.full((len(self.seeds), len(offsets)), 0.5)
+        u[self.drawn] = drawn
         return torch.from_numpy(u).to(device)
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
