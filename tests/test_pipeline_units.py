@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from domino.errors import DominoError
 from domino.embedded import cache_dir
 from pipelines.training.config import PipelineConfig, parse_args
-from pipelines.training.data import TOO_LONG, MalformedRow, embedded_sharegpt, list_files, to_messages, tokenize_batch
+from pipelines.training.data import (TOO_LONG, MalformedRow, embedded_sharegpt, list_files, survey, to_messages,
+                                     tokenize_batch, tokenized_conversations)
 from pipelines.training.features import from_numpy, to_numpy
 from pipelines.training.trainer import Feed, PadCollate, train_config
 from pipeline_helpers import conversation, write_jsonl
@@ -158,6 +159,23 @@ def test_replay_follows_each_streamed_batch_with_batches_from_memory(ray_cluster
         remembered = streamed[max(0, i - 1): i + 1]  # the memory holds the last two streamed batches
         assert set(seen[3 * i + 1: 3 * i + 3]) <= set(remembered)
     assert feed.tokens == sum(streamed[1:])  # the counters start at the first batch
+
+
+def test_held_out_prompts_are_the_datas_first_however_its_blocks_finish(ray_cluster, tmp_path, tokenizer_path):
+    """The evaluation holds out the first `eval_prompts` distinct prompts in the data's order, even when a
+    later file's rows are tokenised first (here the first file's answers are long, so slow to tokenise):
+    a run's held-out prompts, and so its closing tau, must not depend on which task finished first."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    long_answer = "and so on " * 20_000
+    write_jsonl(folder / "a.jsonl", [{"messages": [{"role": "user", "content": f"Slow question {i}?"},
+                                                   {"role": "assistant", "content": long_answer}]} for i in range(48)])
+    write_jsonl(folder / "b.jsonl", [conversation(i) for i in range(48)])
+    cfg = PipelineConfig(data=str(folder), max_conversations=0, eval_prompts=2, max_length=64)
+    for _ in range(2):
+        found = survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
+        assert [json.loads(p)[0]["content"] for p in found.held_out] == ["Slow question 0?", "Slow question 1?"]
+        assert (found.rows, found.held_rows, found.trainable) == (96, 2, 94)
 
 
 def test_gpu_check_parses_its_arguments_into_a_valid_config(tmp_path):

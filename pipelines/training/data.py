@@ -266,12 +266,18 @@ def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig, vocab_size: int) ->
     is chosen from). Only token ids and the small columns come back to the driver."""
     result = Survey(response_counts=np.zeros(vocab_size, dtype=np.int64))
     columns = ["error", "prompt", "num_tokens", "input_ids", "loss_mask"]
+    # in the data's order, not the order its tasks finish in, so the held-out prompts are the same every run
+    # (the context is the dataset's own, shared with the training stream: set for this pass only)
+    options = tokenized.context.execution_options
+    options.preserve_order, previous = True, options.preserve_order
     try:
         batches = list(tokenized.select_columns(columns).iter_batches(batch_format="numpy"))
     except DominoError:
         raise
     except Exception as error:  # a file Ray Data cannot read or decode: say which, in one line
         raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
+    finally:
+        options.preserve_order = previous
     for batch in batches:
         trained = []
         for error, prompt, tokens, ids, mask in zip(*(batch[c] for c in columns)):
