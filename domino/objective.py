@@ -25,6 +25,7 @@ from torch import nn
 
 from domino.drafter import Drafter
 from domino.errors import DominoError
+from domino.target import COMPUTE_DTYPES
 
 # Published decay constants per block size (DESIGN §4); other sizes use B / 2.
 DECAY_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -37,8 +38,11 @@ class ObjectiveConfig:
     curriculum_fraction: float = 0.5  # lambda falls from 1 to 0 over this fraction of the steps; 0 turns it off
     distill: bool = False  # DSpark: 0.1 CE + 0.9 TV(p_draft, p_target); needs the target's final hidden states
     confidence_weight: float = 1.0
+    compute_dtype: str = "float32"  # "bfloat16": the step runs under autocast (twice as fast on CPUs with AMX)
 
     def __post_init__(self) -> None:
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise DominoError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got '{self.compute_dtype}'")
         if self.anchors_per_sequence < 1:
             raise DominoError(f"anchors_per_sequence must be at least 1, got {self.anchors_per_sequence}")
         if not 0 <= self.curriculum_fraction <= 1:
@@ -157,6 +161,12 @@ class DraftingObjective(nn.Module):
         )
 
     def forward(self, batch: dict[str, torch.Tensor], curriculum_lambda: float = 0.0) -> ObjectiveOutput:
+        # autocast keeps the losses and softmaxes in float32; backward follows the forward's dtypes
+        with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16,
+                            enabled=self.config.compute_dtype == "bfloat16"):
+            return self.loss(batch, curriculum_lambda)
+
+    def loss(self, batch: dict[str, torch.Tensor], curriculum_lambda: float) -> ObjectiveOutput:
         drafter, cfg = self.drafter, self.config
         anchors, valid = sample_anchors(batch["loss_mask"].bool().cpu(), batch["lengths"].cpu(),
                                         cfg.anchors_per_sequence, self.generator)

@@ -44,6 +44,20 @@ def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
             )
 
 
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def training_dtype(name: str, device: str | torch.device) -> str:
+    """The dtype training computes in on `device`: feature extraction and the drafter's steps (never
+    serving, whose target is the one verified against). "auto" is bfloat16 where matrix units run it
+    natively, CUDA GPUs and CPUs with AMX tiles (there it halves the CPU minutes of both at equal
+    held-out tau, docs/benchmarks.md), and float32 elsewhere (CPUs without AMX were not measured)."""
+    if name != "auto":
+        return name
+    native = torch.device(device).type == "cuda" or torch.cpu._is_amx_tile_supported()
+    return "bfloat16" if native else "float32"
+
+
 def resolve_target(name_or_path: str) -> str:
     """Turn a target name into something `from_pretrained` accepts, with a clear error when it cannot."""
     if name_or_path in EMBEDDED_TARGETS:

@@ -112,9 +112,11 @@ def files_under(root: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def submitted(cluster, inputs, tmp_path_factory):
     """The main job through `ray job submit`: regenerated answers -> features on an actor pool -> 2 ZeRO-2
-    workers over gloo; the last worker dies at step 6 and the group restarts from the step-4 checkpoint."""
+    workers over gloo; the last worker dies at step 6 and the group restarts from the step-4 checkpoint.
+    It computes in bfloat16 on any machine (auto picks it only on GPUs and CPUs with AMX)."""
     storage = tmp_path_factory.mktemp("storage")
-    values = settings(inputs, storage, regenerate=True, fail_at_step=6, eval_prompts=2, eval_max_new_tokens=8)
+    values = settings(inputs, storage, regenerate=True, fail_at_step=6, eval_prompts=2, eval_max_new_tokens=8,
+                      compute_dtype="bfloat16")
     command = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", cluster["dashboard"],
                "--working-dir", str(REPO), "--", "python", "pipelines/train.py", *(f"{k}={v}" for k, v in values.items())]
     done = subprocess.run(command, env=cluster["env"], capture_output=True, text=True, timeout=900)
@@ -126,7 +128,7 @@ def test_job_trains_two_zero2_workers_through_a_killed_worker(submitted, inputs)
     assert submitted["rc"] == 0 and "succeeded" in logs, logs[-3000:]
     assert "[regenerate] 38 answers by the target (" in logs  # 2 prompts held out for the evaluation
     assert "fault injection: worker 1 dies at step 6" in logs
-    assert "2 worker(s)" in logs and "resuming at step 4" in logs
+    assert "2 worker(s)" in logs and "computing in bfloat16" in logs and "resuming at step 4" in logs
     assert "[train] step 12/12" in logs and "data wait [" in logs
     # the closing evaluation: tau of the untrained and the exported drafter on the held-out prompts
     assert "| untrained | 2 |" in logs and "| trained (step 12) | 2 |" in logs

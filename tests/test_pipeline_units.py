@@ -35,8 +35,11 @@ def test_config_defaults_overrides_and_files(tmp_path):
     ds = cfg.deepspeed()
     assert ds["zero_optimization"]["stage"] == 2 and ds["train_micro_batch_size_per_gpu"] == cfg.batch_size
     assert ds["optimizer"]["params"]["lr"] == 1e-3 and ds["optimizer"]["params"]["torch_adam"] is True
-    objective = train_config(parse_args(["decay=3.5", "confidence_weight=0.25"])).objective
+    objective = train_config(parse_args(["decay=3.5", "confidence_weight=0.25"]), torch.device("cpu")).objective
     assert (objective.decay, objective.confidence_weight) == (3.5, 0.25)
+    assert train_config(parse_args(["compute_dtype=bfloat16"]), torch.device("cpu")).objective.compute_dtype == "bfloat16"
+    assert train_config(parse_args(["compute_dtype=float32"]), torch.device("cuda")).objective.compute_dtype == "float32"
+    assert train_config(parse_args([]), torch.device("cuda")).objective.compute_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -59,6 +59,7 @@ class Variant:
     distill: bool = False
     epochs: int = 1  # passes over fewer sequences in the same steps (the pipeline's `replay`)
     from_target: bool = False  # the draft layer starts as the target's layer after the feature layer
+    compute_dtype: str = "float32"  # of the target making features and of the drafter's steps (autocast)
 
 
 BASE = Variant("base")
@@ -82,6 +83,7 @@ VARIANTS = {v.name: v for v in [
     dataclasses.replace(BASE, name="block-16", block_size=16),
     dataclasses.replace(BASE, name="epochs-3", epochs=3),
     dataclasses.replace(BASE, name="from-target", from_target=True),
+    dataclasses.replace(BASE, name="bf16", compute_dtype="bfloat16"),
 ]}
 
 
@@ -138,10 +140,10 @@ class FeatureStore:
     reads them and then kept, with the seconds each sequence cost (target forward + regeneration)."""
 
     def __init__(self, target_path: str, sequences: Sequences, layer_ids: tuple[int, ...], target_labels: bool,
-                 final_hidden: bool):
+                 final_hidden: bool, compute_dtype: str):
         self.sequences = sequences
         self.actor = TargetFeatures(target_path, cpus=1, gpus=0, layer_ids=list(layer_ids), final_hidden=final_hidden,
-                                    dtype="bfloat16", target_labels=target_labels)
+                                    dtype="bfloat16", compute_dtype=compute_dtype, target_labels=target_labels)
         self.rows: dict[int, dict] = {}
         self.seconds: dict[int, float] = {}
 
@@ -208,7 +210,8 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
     if variant.from_target:
         drafter.start_from_target(target)
     train_config = TrainConfig(steps=steps, lr=variant.lr, objective=ObjectiveConfig(
-        anchors_per_sequence=variant.anchors, curriculum_fraction=variant.curriculum_fraction, distill=variant.distill))
+        anchors_per_sequence=variant.anchors, curriculum_fraction=variant.curriculum_fraction, distill=variant.distill,
+        compute_dtype=variant.compute_dtype))
     objective = DraftingObjective(drafter, train_config.objective, seed=seed)
     optimiser = AdamWStep(objective.parameters(), train_config)
     curve, spent, tokens, window = Curve(variant), 0.0, 0, MetricsWindow()
@@ -301,9 +304,10 @@ def main(argv: list[str]) -> None:
             sequences[variant.data] = text_sequences(rows) if variant.data == "text" \
                 else regenerated_sequences(target_path, first_prompts(rows), args.max_length, args.new_tokens)
         data = sequences[variant.data]
-        key = (variant.data, variant.layer_ids, variant.labels == "target", variant.distill)
+        key = (variant.data, variant.layer_ids, variant.labels == "target", variant.distill, variant.compute_dtype)
         if key not in stores:
-            stores[key] = FeatureStore(target_path, data, variant.layer_ids, target_labels=key[2], final_hidden=variant.distill)
+            stores[key] = FeatureStore(target_path, data, variant.layer_ids, target_labels=key[2],
+                                       final_hidden=variant.distill, compute_dtype=variant.compute_dtype)
         counts = count_tokens(zip(data.ids, data.masks), target.vocab_size)
         curves.append(train_variant(variant, target, stores[key], counts, held_out, args.steps, args.batch_size,
                                     args.evaluations))

@@ -53,6 +53,10 @@ class PipelineConfig(BaseModel):
     feature_cpus: float = Field(0.75, ge=0, description="CPUs per feature or regeneration actor")
     feature_gpus: float = Field(0, ge=0, description="GPUs per feature or regeneration actor")
     feature_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="dtype features travel in")
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="dtype the feature actors run the target in and the trainers' steps compute in (autocast); "
+                            "auto: bfloat16 on GPUs and on CPUs with AMX, float32 elsewhere (regeneration and evaluation "
+                            "run the target as it is served)")
     data_cpus: float = Field(0.25, gt=0, description="CPUs per read/tokenise task")
 
     # -- drafter --------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 import ray
 import torch
 
-from domino.target import Target
+from domino.target import COMPUTE_DTYPES, Target, training_dtype
 from pipelines.training.config import PipelineConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -37,14 +37,17 @@ def from_numpy(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 class TargetActor:
-    def __init__(self, target_path: str, cpus: float, gpus: float):
+    def __init__(self, target_path: str, cpus: float, gpus: float, compute_dtype: str | None = None):
+        """`compute_dtype` (a PipelineConfig value, "auto" included) or None: the dtype serving runs it in."""
         torch.set_num_threads(torch_threads(cpus))
-        self.target = Target.load(target_path, device="cuda" if gpus else "cpu")
+        device = "cuda" if gpus else "cpu"
+        dtype = None if compute_dtype is None else COMPUTE_DTYPES[training_dtype(compute_dtype, device)]
+        self.target = Target.load(target_path, device=device, dtype=dtype)
 
 
 class Regenerate(TargetActor):
     """Replace each conversation by its first prompt and the target's own greedy answer to it: the
-    drafter learns to imitate what it will verify against."""
+    drafter learns to imitate what it will verify against, so the target runs as it is served."""
 
     def __init__(self, target_path: str, cpus: float, gpus: float, max_length: int, max_new_tokens: int):
         super().__init__(target_path, cpus, gpus)
@@ -93,8 +96,8 @@ class TargetFeatures(TargetActor):
     the producers' own throughput, separate from any time they spend waiting on the trainers."""
 
     def __init__(self, target_path: str, cpus: float, gpus: float, layer_ids: list[int], final_hidden: bool,
-                 dtype: str, target_labels: bool = False):
-        super().__init__(target_path, cpus, gpus)
+                 dtype: str, compute_dtype: str, target_labels: bool = False):
+        super().__init__(target_path, cpus, gpus, compute_dtype)
         self.layer_ids, self.final_hidden, self.dtype = layer_ids, final_hidden, dtype
         self.target_labels = target_labels
 
@@ -140,6 +143,7 @@ def with_features(rows: ray.data.Dataset, cfg: PipelineConfig, target_path: str,
     return rows.map_batches(
         TargetFeatures, fn_constructor_kwargs=dict(
             target_path=target_path, cpus=cfg.feature_cpus, gpus=cfg.feature_gpus, layer_ids=layer_ids,
-            final_hidden=cfg.distill, dtype=cfg.feature_dtype, target_labels=cfg.labels == "target"),
+            final_hidden=cfg.distill, dtype=cfg.feature_dtype, target_labels=cfg.labels == "target",
+            compute_dtype=cfg.compute_dtype),
         compute=ray.data.ActorPoolStrategy(size=cfg.feature_actors), batch_size=cfg.feature_batch_size,
         num_cpus=cfg.feature_cpus, num_gpus=cfg.feature_gpus, batch_format="numpy")

@@ -25,7 +25,7 @@ from domino.config import DrafterConfig
 from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.objective import DraftingObjective, ObjectiveConfig, expected_accept_length
-from domino.target import Target
+from domino.target import Target, training_dtype
 from domino.training import TrainConfig, cosine_schedule, train
 from pipelines.training import checkpoints
 from pipelines.training.config import PipelineConfig
@@ -40,12 +40,13 @@ def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
                                     lookup_min_ngram=cfg.lookup_min_ngram)
 
 
-def train_config(cfg: PipelineConfig) -> TrainConfig:
+def train_config(cfg: PipelineConfig, device: torch.device) -> TrainConfig:
     return TrainConfig(steps=cfg.steps, lr=cfg.lr, warmup_fraction=cfg.warmup_fraction, weight_decay=cfg.weight_decay,
                        grad_clip=cfg.grad_clip, objective=ObjectiveConfig(
                            anchors_per_sequence=cfg.anchors_per_sequence, decay=cfg.decay,
                            curriculum_fraction=cfg.curriculum_fraction, distill=cfg.distill,
-                           confidence_weight=cfg.confidence_weight))
+                           confidence_weight=cfg.confidence_weight,
+                           compute_dtype=training_dtype(cfg.compute_dtype, device)))
 
 
 class PadCollate(NumpyBatchCollateFn):
@@ -223,7 +224,7 @@ def train_worker(config: dict) -> None:
     drafter = Drafter(drafter_config(cfg, target), target.embed_tokens, target.lm_head)
     if config["draft_vocabulary"] is not None:
         drafter.set_draft_vocabulary(torch.tensor(config["draft_vocabulary"]))
-    tc = train_config(cfg)
+    tc = train_config(cfg, device)
     objective = DraftingObjective(drafter, tc.objective, seed=cfg.seed + rank)
     engine, *_ = deepspeed.initialize(
         model=objective, model_parameters=[p for p in objective.parameters() if p.requires_grad],
@@ -232,6 +233,7 @@ def train_worker(config: dict) -> None:
     start_step = checkpoints.restore(engine)
     if rank == 0:
         print(f"[train] {world} worker(s), {sum(p.numel() for p in objective.parameters())/1e6:.2f} M drafter parameters, "
+              f"computing in {tc.objective.compute_dtype}, "
               + (f"resuming at step {start_step}" if start_step else "starting at step 0"), flush=True)
 
     def step(loss: torch.Tensor) -> None:
