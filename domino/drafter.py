@@ -39,6 +39,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class RMSNorm(nn.RMSNorm):
+    """Normalises in its weight's dtype: under bfloat16 autocast (training's compute_dtype) the norm runs
+    in float32, as mixed precision keeps it, on torch's fused kernel; elsewhere the cast does nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
 class DraftAttention(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -48,8 +56,8 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
-        self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values (n, kv_heads, t, head_dim) of states x (n, t, D)."""
@@ -80,9 +88,9 @@ class DraftLayer(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         d = config.hidden_size
-        self.attn_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.attn_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.attn = DraftAttention(config)
-        self.mlp_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.mlp_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.gate = nn.Linear(d, config.intermediate_size, bias=False)
         self.up = nn.Linear(d, config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, d, bias=False)
@@ -200,9 +208,9 @@ class Drafter(nn.Module):
         self.config = config
         d = config.hidden_size
         self.fc = nn.Linear(len(config.target_layer_ids) * d, d, bias=False)
-        self.feature_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.feature_norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
-        self.norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(d, eps=config.rms_norm_eps)
         self.head = build_head(config)
         self.confidence = ConfidenceHead(config) if config.confidence_head else None
         self.target_modules = (embed_tokens, lm_head)  # a tuple, so torch does not register them
