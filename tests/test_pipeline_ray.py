@@ -47,6 +47,28 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) ->
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
+def start_head(root: Path, env: dict, attempts: int = 3) -> tuple[subprocess.Popen, dict[str, int]]:
+    """`ray start --head --block` on free ports. A port found free can be taken by another process (the
+    other test worker's Ray) before this head binds it, and then the head exits: try again on new ports."""
+    for attempt in range(1, attempts + 1):
+        ports = {name: free_port() for name in ("port", "dashboard-port", "ray-client-server-port", "node-manager-port",
+                                                "object-manager-port", "metrics-export-port", "runtime-env-agent-port",
+                                                "dashboard-agent-listen-port", "dashboard-agent-grpc-port")}
+        log = root / f"head-{attempt}.log"
+        head = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+             "--include-dashboard=true", f"--temp-dir={root / 'ray'}", "--disable-usage-stats", "--block",
+             *(f"--{name}={port}" for name, port in ports.items())],
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        try:
+            wait_for_port(ports["port"], head)
+            wait_for_port(ports["dashboard-port"], head)
+            return head, ports
+        except AssertionError:  # it exited
+            pass
+    raise AssertionError(f"ray start --head exited {attempts} times; the last log ends:\n{log.read_text()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A `ray start --head` cluster of our own (own ports, own temp dirs), stopped by its PID. Token auth is
@@ -54,21 +76,12 @@ def cluster():
     is short: Ray's socket paths under it must fit in 107 bytes."""
     root = Path(tempfile.mkdtemp(prefix="domino-", dir="/tmp"))
     (root / "tmp").mkdir()
-    ports = {name: free_port() for name in ("port", "dashboard-port", "ray-client-server-port", "node-manager-port",
-                                            "object-manager-port", "metrics-export-port", "runtime-env-agent-port",
-                                            "dashboard-agent-listen-port", "dashboard-agent-grpc-port")}
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TMPDIR": str(root / "tmp"),
            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # stop at once when the tests end
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    head = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=4",
-         "--include-dashboard=true", f"--temp-dir={root / 'ray'}", "--disable-usage-stats", "--block",
-         *(f"--{name}={port}" for name, port in ports.items())],
-        env=env, stdout=(root / "head.log").open("w"), stderr=subprocess.STDOUT)
+    head, ports = start_head(root, env)
     try:
-        wait_for_port(ports["port"], head)
-        wait_for_port(ports["dashboard-port"], head)
         ray.init(address=f"127.0.0.1:{ports['port']}", logging_level="warning")
         yield {"root": root, "env": env, "dashboard": f"http://127.0.0.1:{ports['dashboard-port']}"}
     finally:
