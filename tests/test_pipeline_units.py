@@ -175,10 +175,9 @@ def test_held_out_prompts_are_the_datas_first_however_its_blocks_finish(ray_clus
                                                    {"role": "assistant", "content": long_answer}]} for i in range(48)])
     write_jsonl(folder / "b.jsonl", [conversation(i) for i in range(48)])
     cfg = PipelineConfig(data=str(folder), max_conversations=0, eval_prompts=2, max_length=64)
-    for _ in range(2):
-        found = survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
-        assert [json.loads(p)[0]["content"] for p in found.held_out] == ["Slow question 0?", "Slow question 1?"]
-        assert (found.rows, found.held_rows, found.trainable) == (96, 2, 94)
+    found = survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
+    assert [json.loads(p)[0]["content"] for p in found.held_out] == ["Slow question 0?", "Slow question 1?"]
+    assert (found.rows, found.held_rows, found.trainable) == (96, 2, 94)
 
 
 def test_gpu_check_parses_its_arguments_into_a_valid_config(tmp_path):

@@ -17,14 +17,13 @@ def held_out_accuracy(objective, target, data):
     return window.summary()["accuracy"]
 
 
-@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
-def test_tiny_drafter_learns_the_targets_greedy_continuations(compute_dtype):
+def test_tiny_drafter_learns_the_targets_greedy_continuations():
     """The objective learns: on a tiny target's own greedy continuations, 150 steps take the first
-    block position from chance to over 90 % top-1 on held-out sequences, in float32 and in bfloat16."""
+    block position from chance to over 90 % top-1 on held-out sequences."""
     target = tiny_target(layer_scale=0.1)
     train_set, test_set = greedy_continuations(target, 256, seed=0), greedy_continuations(target, 64, seed=1)
     drafter = tiny_drafter(target, head="domino", randomize_heads=False)
-    objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=16, compute_dtype=compute_dtype))
+    objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=16))
     before = held_out_accuracy(objective, target, test_set)
     summary = train(objective, training_batches(target, drafter, train_set, 8, seed=0), TrainConfig(steps=150, lr=3e-3),
                     progress=False)
