@@ -44,7 +44,7 @@ def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
             )
 
 
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COMPUTE_DTYPES = ("float32", "bfloat16")  # what training may compute in, by torch's names
 
 
 def training_dtype(name: str, device: str | torch.device) -> str:

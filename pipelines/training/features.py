@@ -14,7 +14,7 @@ import numpy as np
 import ray
 import torch
 
-from domino.target import COMPUTE_DTYPES, Target, training_dtype
+from domino.target import Target, training_dtype
 from pipelines.training.config import PipelineConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -41,7 +41,7 @@ class TargetActor:
         """`compute_dtype` (a PipelineConfig value, "auto" included) or None: the dtype serving runs it in."""
         torch.set_num_threads(torch_threads(cpus))
         device = "cuda" if gpus else "cpu"
-        dtype = None if compute_dtype is None else COMPUTE_DTYPES[training_dtype(compute_dtype, device)]
+        dtype = None if compute_dtype is None else DTYPES[training_dtype(compute_dtype, device)]
         self.target = Target.load(target_path, device=device, dtype=dtype)
 
 
