@@ -9,7 +9,9 @@ cost axis is what a variant spends on one core, measured: the target's forward f
 its labels), the regeneration of answers when the variant trains on them, and the drafter's steps.
 Features of a data set are computed once and reused by the variants that read the same layers, each
 charged the measured time. Held-out tau is the greedy acceptance at every position of answers the
-target wrote to held-out ShareGPT prompts (domino.acceptance): what verification would accept there.
+target wrote to held-out ShareGPT prompts (domino.acceptance): what verification would accept there;
+it is measured again with each text's features shuffled by position, which shows whether the drafter
+reads the target's states one by one or only as a bag.
 """
 
 from __future__ import annotations
@@ -185,12 +187,17 @@ class HeldOut:
         return self.features[key]
 
 
-def held_out_acceptance(drafter: Drafter, held_out: HeldOut) -> tuple[float, list[float]]:
+def held_out_acceptance(drafter: Drafter, held_out: HeldOut, shuffled: bool = False) -> tuple[float, list[float]]:
     """Over every answer position of the held-out target-written answers: tau (mean 1 + accepted
-    length) and the share of rounds that accept at least k drafts, k = 1..B (acceptance by position)."""
+    length) and the share of rounds that accept at least k drafts, k = 1..B (acceptance by position).
+
+    `shuffled`: each text's features in one fixed random order of positions. A drafter that reads the
+    target state by state loses tau; one that reads only what the text is about, as a bag, does not."""
     drafter.eval()
     accepted = []
     for (ids, answer_start), features in zip(held_out.texts, held_out.of_layers(drafter.config.target_layer_ids)):
+        if shuffled:
+            features = features[:, torch.randperm(features.shape[1], generator=torch.Generator().manual_seed(0))]
         anchors = torch.arange(answer_start, ids.shape[0] - 1)
         accepted.append(greedy_accepted(drafter, features, ids, anchors))
     drafter.train()
@@ -232,12 +239,14 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
             drafter.set_lookup(LOOKUP_NGRAM)
             tau_lookup, _ = held_out_acceptance(drafter, held_out)
             drafter.set_lookup(0)
+            tau_shuffled, _ = held_out_acceptance(drafter, held_out, shuffled=True)
             train_tau = window.summary()["tau"]
             window.reset()
             curve.points.append({"step": step + 1, "minutes": spent / 60, "tokens": tokens, "tau": tau,
-                                 "tau_lookup": tau_lookup, "acceptance": by_position, "train_tau": train_tau})
+                                 "tau_lookup": tau_lookup, "tau_shuffled": tau_shuffled, "acceptance": by_position,
+                                 "train_tau": train_tau})
             print(f"  {variant.name}: step {step + 1}/{steps}  {spent / 60:.1f} min  {tokens} tokens  "
-                  f"held-out tau {tau:.3f}, with context lookup {tau_lookup:.3f}  "
+                  f"held-out tau {tau:.3f}, with context lookup {tau_lookup:.3f}, features shuffled {tau_shuffled:.3f}  "
                   f"(training, teacher-forced {train_tau:.3f})", flush=True)
     return curve
 
@@ -313,14 +322,14 @@ def main(argv: list[str]) -> None:
                                     args.evaluations))
 
     print(f"\n| variant | changes | minutes | tokens | held-out tau | with context lookup (n <= {LOOKUP_NGRAM}) | "
-          f"held-out acceptance @1..4 | training tau |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"features shuffled | held-out acceptance @1..4 | training tau |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for curve in curves:
         last = curve.points[-1]
         changed = {k: v for k, v in dataclasses.asdict(curve.variant).items()
                    if k != "name" and v != getattr(BASE, k)}
         print(f"| {curve.variant.name} | {changed or '-'} | {last['minutes']:.1f} | {last['tokens']} | "
-              f"{last['tau']:.3f} | {last['tau_lookup']:.3f} | {' '.join(f'{a:.2f}' for a in last['acceptance'][:4])} | {last['train_tau']:.3f} |")
+              f"{last['tau']:.3f} | {last['tau_lookup']:.3f} | {last['tau_shuffled']:.3f} | {' '.join(f'{a:.2f}' for a in last['acceptance'][:4])} | {last['train_tau']:.3f} |")
     if args.out:
         plot(curves, args.out)
         print(f"\nplot: {args.out}")
