@@ -64,8 +64,12 @@ def start_head(root: Path, env: dict, attempts: int = 3) -> tuple[subprocess.Pop
             wait_for_port(ports["port"], head)
             wait_for_port(ports["dashboard-port"], head)
             return head, ports
-        except AssertionError:  # it exited
-            pass
+        except AssertionError:  # it exited: try new ports
+            continue
+        except TimeoutError:  # it runs but does not listen: stop it by its PID, as the fixture would
+            head.send_signal(signal.SIGTERM)
+            head.wait(timeout=60)
+            raise
     raise AssertionError(f"ray start --head exited {attempts} times; the last log ends:\n{log.read_text()[-3000:]}")
 
 
