@@ -131,3 +131,15 @@ def test_one_command_runs_every_benchmark(capsys):
         assert capsys.readouterr().out.strip(), command
     assert bench.main(["no-such-benchmark"]) == 2
     assert "unknown benchmark 'no-such-benchmark'" in capsys.readouterr().err
+
+
+def test_learning_curve_measures_saved_checkpoints(tmp_path, embedded_target, capsys):
+    """`learning-curve --checkpoints`: one row per saved drafter; its 'held-out tau' is the learned drafter
+    alone even when the checkpoint turns context lookup on, which the next column then measures."""
+    path = tmp_path / "step_000001" / "drafter"
+    tiny_drafter(embedded_target, num_layers=1, lookup_ngram=3).save_pretrained(path)
+    assert bench.main(["learning-curve", "--checkpoints", str(path), "--held-out", "2", "--new-tokens", "32"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {path} |"))
+    alone, with_lookup, shuffled = (float(cell) for cell in row.split("|")[2:5])
+    assert alone < 1.05 and shuffled < 1.05  # random weights: hardly a learned draft passes
+    assert with_lookup > alone + 0.1  # the target's greedy answers repeat themselves

@@ -2,6 +2,7 @@
 
     python -m pipelines.bench learning-curve [--variants base vocab-full ...] [--steps 300]
         [--conversations 1200] [--out docs/img/learning-curve.png]
+    python -m pipelines.bench learning-curve --checkpoints ~/domino-runs/NAME/step_*/drafter
 
 Every variant trains on the same embedded ShareGPT conversations in the same order with the same seed,
 in one process (the library's objective and loop, no Ray), and changes one thing against `base`. The
@@ -11,7 +12,8 @@ Features of a data set are computed once and reused by the variants that read th
 charged the measured time. Held-out tau is the greedy acceptance at every position of answers the
 target wrote to held-out ShareGPT prompts (domino.acceptance): what verification would accept there;
 it is measured again with each text's features shuffled by position, which shows whether the drafter
-reads the target's states one by one or only as a bag.
+reads the target's states one by one or only as a bag. `--checkpoints` measures drafters a training
+run saved (keep_checkpoints bounds how many it keeps) on the same held-out answers.
 """
 
 from __future__ import annotations
@@ -235,20 +237,38 @@ def train_variant(variant: Variant, target: Target, store: FeatureStore, counts:
         tokens += int(batch["lengths"].sum())
         window.add(out.metrics)
         if (step + 1) % every == 0 or step + 1 == steps:
-            tau, by_position = held_out_acceptance(drafter, held_out)
-            drafter.set_lookup(LOOKUP_NGRAM)
-            tau_lookup, _ = held_out_acceptance(drafter, held_out)
-            drafter.set_lookup(0)
-            tau_shuffled, _ = held_out_acceptance(drafter, held_out, shuffled=True)
-            train_tau = window.summary()["tau"]
+            point = {"step": step + 1, "minutes": spent / 60, "tokens": tokens, **held_out_measures(drafter, held_out),
+                     "train_tau": window.summary()["tau"]}
             window.reset()
-            curve.points.append({"step": step + 1, "minutes": spent / 60, "tokens": tokens, "tau": tau,
-                                 "tau_lookup": tau_lookup, "tau_shuffled": tau_shuffled, "acceptance": by_position,
-                                 "train_tau": train_tau})
+            curve.points.append(point)
             print(f"  {variant.name}: step {step + 1}/{steps}  {spent / 60:.1f} min  {tokens} tokens  "
-                  f"held-out tau {tau:.3f}, with context lookup {tau_lookup:.3f}, features shuffled {tau_shuffled:.3f}  "
-                  f"(training, teacher-forced {train_tau:.3f})", flush=True)
+                  f"held-out tau {point['tau']:.3f}, with context lookup {point['tau_lookup']:.3f}, features shuffled "
+                  f"{point['tau_shuffled']:.3f}  (training, teacher-forced {point['train_tau']:.3f})", flush=True)
     return curve
+
+
+def held_out_measures(drafter: Drafter, held_out: HeldOut) -> dict:
+    """The curve's columns for one drafter: held-out tau of the learned drafter alone (with its acceptance
+    by position), with context lookup, and with features shuffled. Leaves the drafter without lookup."""
+    drafter.set_lookup(0)
+    tau, by_position = held_out_acceptance(drafter, held_out)
+    drafter.set_lookup(LOOKUP_NGRAM)
+    tau_lookup, _ = held_out_acceptance(drafter, held_out)
+    drafter.set_lookup(0)
+    tau_shuffled, _ = held_out_acceptance(drafter, held_out, shuffled=True)
+    return {"tau": tau, "tau_lookup": tau_lookup, "tau_shuffled": tau_shuffled, "acceptance": by_position}
+
+
+def measure_checkpoints(folders: list[Path], target: Target, held_out: HeldOut) -> None:
+    """The curve's columns for drafters a run saved (e.g. the main job's step_*/drafter folders), on the
+    same held-out answers: how a long run's held-out tau grew, which its own log estimates on training data."""
+    print(f"\n| checkpoint | held-out tau | with context lookup (n <= {LOOKUP_NGRAM}) | features shuffled | "
+          f"held-out acceptance @1..4 |")
+    print("| --- | --- | --- | --- | --- |")
+    for folder in folders:
+        row = held_out_measures(Drafter.from_pretrained(folder, target), held_out)
+        print(f"| {folder} | {row['tau']:.3f} | {row['tau_lookup']:.3f} | {row['tau_shuffled']:.3f} | "
+              f"{' '.join(f'{a:.2f}' for a in row['acceptance'][:4])} |", flush=True)
 
 
 def plot(curves: list[Curve], path: Path) -> None:
@@ -290,17 +310,22 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per target-written answer")
     parser.add_argument("--evaluations", type=int, default=5, help="held-out measurements per variant")
     parser.add_argument("--out", type=Path, default=None, help="PNG of tau against cost")
+    parser.add_argument("--checkpoints", type=Path, nargs="+", default=None,
+                        help="measure these saved drafters (DIR/step_*/drafter) on the held-out answers instead of training")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     target_path = resolve_target(args.target)
     target = Target.load(target_path)
     print(f"# {args.target} on {platform.processor() or platform.machine()}, 1 thread, torch {torch.__version__}")
-    print(f"# {args.steps} steps x {args.batch_size} sequences per variant, seed 0", flush=True)
 
     held_prompts = [json.dumps([{"role": "user", "content": p}]) for p in embedded_sharegpt_tail(args.held_out)]
     held = regenerated_sequences(target_path, held_prompts, args.max_length + args.new_tokens, args.new_tokens)
     held_out = HeldOut(target, held)
+    if args.checkpoints:
+        measure_checkpoints(args.checkpoints, target, held_out)
+        return
+    print(f"# {args.steps} steps x {args.batch_size} sequences per variant, seed 0", flush=True)
 
     rows = sharegpt_rows(target_path, args.conversations, args.max_length)
     sequences: dict[str, Sequences] = {}
