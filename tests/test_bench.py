@@ -143,3 +143,5 @@ def test_learning_curve_measures_saved_checkpoints(tmp_path, embedded_target, ca
     alone, with_lookup, shuffled = (float(cell) for cell in row.split("|")[2:5])
     assert alone < 1.05 and shuffled < 1.05  # random weights: hardly a learned draft passes
     assert with_lookup > alone + 0.1  # the target's greedy answers repeat themselves
+    assert bench.main(["learning-curve", "--checkpoints", str(tmp_path / "missing")]) == 2
+    assert f"error: no drafter checkpoint at {tmp_path / 'missing'}" in capsys.readouterr().err

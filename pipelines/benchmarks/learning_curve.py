@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from domino.acceptance import greedy_accepted
 from domino.config import DrafterConfig
 from domino.drafter import Drafter
+from domino.errors import DominoError
 from domino.objective import DraftingObjective, ObjectiveConfig, curriculum_lambda
 from domino.target import DEFAULT_TARGET, Target, resolve_target
 from domino.training import AdamWStep, MetricsWindow, TrainConfig
@@ -259,14 +261,14 @@ def held_out_measures(drafter: Drafter, held_out: HeldOut) -> dict:
     return {"tau": tau, "tau_lookup": tau_lookup, "tau_shuffled": tau_shuffled, "acceptance": by_position}
 
 
-def measure_checkpoints(folders: list[Path], target: Target, held_out: HeldOut) -> None:
+def measure_checkpoints(drafters: dict[Path, Drafter], held_out: HeldOut) -> None:
     """The curve's columns for drafters a run saved (e.g. the main job's step_*/drafter folders), on the
     same held-out answers: how a long run's held-out tau grew, which its own log estimates on training data."""
     print(f"\n| checkpoint | held-out tau | with context lookup (n <= {LOOKUP_NGRAM}) | features shuffled | "
           f"held-out acceptance @1..4 |")
     print("| --- | --- | --- | --- | --- |")
-    for folder in folders:
-        row = held_out_measures(Drafter.from_pretrained(folder, target), held_out)
+    for folder, drafter in drafters.items():
+        row = held_out_measures(drafter, held_out)
         print(f"| {folder} | {row['tau']:.3f} | {row['tau_lookup']:.3f} | {row['tau_shuffled']:.3f} | "
               f"{' '.join(f'{a:.2f}' for a in row['acceptance'][:4])} |", flush=True)
 
@@ -298,7 +300,7 @@ def plot(curves: list[Curve], path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench learning-curve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--variants", nargs="+", default=["base"], choices=sorted(VARIANTS))
@@ -318,13 +320,18 @@ def main(argv: list[str]) -> None:
     target_path = resolve_target(args.target)
     target = Target.load(target_path)
     print(f"# {args.target} on {platform.processor() or platform.machine()}, 1 thread, torch {torch.__version__}")
+    try:  # a bad checkpoint is named before the held-out answers are written
+        saved = {folder: Drafter.from_pretrained(folder, target) for folder in args.checkpoints or []}
+    except DominoError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
     held_prompts = [json.dumps([{"role": "user", "content": p}]) for p in embedded_sharegpt_tail(args.held_out)]
     held = regenerated_sequences(target_path, held_prompts, args.max_length + args.new_tokens, args.new_tokens)
     held_out = HeldOut(target, held)
-    if args.checkpoints:
-        measure_checkpoints(args.checkpoints, target, held_out)
-        return
+    if saved:
+        measure_checkpoints(saved, held_out)
+        return 0
     print(f"# {args.steps} steps x {args.batch_size} sequences per variant, seed 0", flush=True)
 
     rows = sharegpt_rows(target_path, args.conversations, args.max_length)
@@ -358,4 +365,4 @@ def main(argv: list[str]) -> None:
     if args.out:
         plot(curves, args.out)
         print(f"\nplot: {args.out}")
-
+    return 0
