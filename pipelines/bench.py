@@ -21,6 +21,7 @@ COMMANDS = {
     "dflash-race": ("dflash_race", "main", "our engine against z-lab's dflash_generate on one DFlash checkpoint"),
     "learning-curve": ("learning_curve", "main", "held-out tau against training minutes, one variant at a time"),
     "gpu-check": ("gpu_check", "main", "the pipeline on one GPU with a random Qwen3-shaped target"),
+    "gpu-drafter": ("gpu_drafter", "main", "the pipeline's drafter trained for minutes on one GPU, for CPU benchmarks"),
 }
 
 

@@ -1,8 +1,10 @@
 """The benchmark harness: metric arithmetic on known traces, a tiny end-to-end run, bad input."""
 
 import json
+import re
 
 import pytest
+import torch
 
 from domino.errors import DominoError
 from domino.requests import GenerationStats
@@ -145,3 +147,30 @@ def test_learning_curve_measures_saved_checkpoints(tmp_path, embedded_target, ca
     assert with_lookup > alone + 0.1  # the target's greedy answers repeat themselves
     assert bench.main(["learning-curve", "--checkpoints", str(tmp_path / "missing")]) == 2
     assert f"error: no drafter checkpoint at {tmp_path / 'missing'}" in capsys.readouterr().err
+
+
+def test_gpu_drafter_halves_make_drafters_the_pipeline_would(tmp_path, embedded_target, capsys):
+    """`gpu-drafter prepare` here, `train` where a GPU is (tried on CPU): the pipeline's drafter config
+    and draft vocabulary travel in the data folder, and the drafters saved at a quarter, half and all
+    of the steps load for the target. A folder `prepare` did not write, or no GPU, is named in one line."""
+    from domino.drafter import Drafter
+
+    data, out = tmp_path / "data", tmp_path / "drafters"
+    assert bench.main(["gpu-drafter", "prepare", "--out", str(data), "--conversations", "12",
+                       "max_length=128", "batch_size=2", "draft_vocab_size=512"]) == 0
+    settings = json.loads((data / "config.json").read_text())
+    assert settings["drafter"]["head"] == "markov" and settings["drafter"]["draft_vocab_size"] == 512
+    assert len(settings["draft_vocabulary"]) == 512 and settings["train"]["objective"]["compute_dtype"] == "bfloat16"
+    assert bench.main(["gpu-drafter", "train", "--data", str(data), "--out", str(out), "--minutes", "0.3",
+                       "--device", "cpu"]) == 0
+    steps = int(re.search(r"-> (\d+) steps", capsys.readouterr().out).group(1))
+    saved = sorted(out.iterdir())
+    assert 1 <= len(saved) <= 3 and saved[-1].name == f"step_{steps:06d}"
+    for folder in saved:
+        drafter = Drafter.from_pretrained(folder, embedded_target)
+        assert drafter.config.draft_vocab_size == 512 and drafter.config.head == "markov"
+    assert bench.main(["gpu-drafter", "train", "--data", str(tmp_path), "--out", str(out), "--device", "cpu"]) == 2
+    assert "holds no config.json and data.npz" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(["gpu-drafter", "train", "--data", str(data), "--out", str(out)]) == 2
+        assert "error: no CUDA GPU here" in capsys.readouterr().err
