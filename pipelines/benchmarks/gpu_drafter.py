@@ -63,16 +63,16 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> None:
         counts = count_tokens(zip(ids, masks), target.vocab_size)
         vocabulary = most_frequent(counts, cfg.draft_vocab_size).tolist()
     args.out.mkdir(parents=True, exist_ok=True)
-    flat = np.concatenate(ids)
+    flat, flat_mask = np.concatenate(ids), np.concatenate(masks)
     if flat.max() >= 2 ** 16:
         raise DominoError("token ids past 65535: this script stores them as uint16")
     np.savez_compressed(args.out / DATA, ids=flat.astype(np.uint16), lengths=np.array([len(i) for i in ids], np.int32),
-                        mask=np.packbits(np.concatenate(masks)))
+                        mask=np.packbits(flat_mask))
     settings = {"drafter": asdict(drafter_config(cfg, target)), "train": asdict(train_config(cfg, torch.device("cuda"))),
                 "draft_vocabulary": vocabulary, "batch_size": cfg.batch_size, "seed": cfg.seed,
                 "feature_dtype": cfg.feature_dtype, "pipeline": cfg.model_dump()}
     (args.out / CONFIG).write_text(json.dumps(settings, indent=1) + "\n")
-    print(f"{len(ids)} sequences, {len(flat)} tokens ({int(np.concatenate(masks).sum())} answer tokens) -> {args.out}")
+    print(f"{len(ids)} sequences, {len(flat)} tokens ({int(flat_mask.sum())} answer tokens) -> {args.out}")
 
 
 class Batches:
@@ -113,27 +113,27 @@ class Batches:
                 "features": out.features.to(self.feature_dtype), "target_next": out.logits.argmax(dim=-1)}
 
 
-def build(settings: dict, target: Target, seed: int) -> tuple[Drafter, DraftingObjective]:
+def build(settings: dict, train_config: TrainConfig, target: Target, seed: int) -> tuple[Drafter, DraftingObjective]:
     config = DrafterConfig(**settings["drafter"])
     torch.manual_seed(seed)
     drafter = Drafter(config, target.embed_tokens, target.lm_head)
     if settings["draft_vocabulary"] is not None:
         drafter.set_draft_vocabulary(torch.tensor(settings["draft_vocabulary"]))
-    objective = DraftingObjective(drafter, TrainConfig(**settings["train"]).objective, seed=seed)
+    objective = DraftingObjective(drafter, train_config.objective, seed=seed)
     return drafter, objective.to(target.device)
 
 
-def seconds_per_step(settings: dict, target: Target, batches: Batches, probe_steps: int = 12) -> float:
+def seconds_per_step(settings: dict, train_config: TrainConfig, target: Target, batches: Batches,
+                     probe_steps: int = 12) -> float:
     """A throwaway drafter's steps (the first few, with allocation and warm-up, not counted)."""
-    _, objective = build(settings, target, seed=settings["seed"] + 1)
-    step = AdamWStep(objective.parameters(), TrainConfig(**settings["train"]))
-    wait = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
+    _, objective = build(settings, train_config, target, seed=settings["seed"] + 1)
+    step = AdamWStep(objective.parameters(), train_config)
     for i in range(probe_steps):
         if i == probe_steps // 3:
-            wait()
+            target.synchronize()
             start = time.perf_counter()
         step(objective(next(batches), 1.0).loss)
-    wait()
+    target.synchronize()
     return (time.perf_counter() - start) / (probe_steps - probe_steps // 3)
 
 
@@ -147,14 +147,15 @@ def train_on_gpu(args: argparse.Namespace) -> None:
     target = Target.load(resolve_target(args.target), device=args.device)
     batches = Batches(args.data, target, DrafterConfig(**settings["drafter"]), settings["batch_size"],
                       settings["feature_dtype"], settings["seed"])
-    per_step = seconds_per_step(settings, target, batches)
+    prepared = TrainConfig(**settings["train"])
+    per_step = seconds_per_step(settings, prepared, target, batches)
     left = args.minutes * 60 - (time.perf_counter() - begin)
     steps = max(1, int(left / per_step))
-    settings["train"] = asdict(replace(TrainConfig(**settings["train"]), steps=steps))
+    train_config = replace(prepared, steps=steps)  # the cosine schedule spans the steps that fit
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"# {where}: {len(batches.ids)} sequences, {settings['batch_size']} a step, "
           f"{per_step * 1000:.0f} ms a step -> {steps} steps in the {left / 60:.1f} minutes left", flush=True)
-    drafter, objective = build(settings, target, settings["seed"])
+    drafter, objective = build(settings, train_config, target, settings["seed"])
     saves = [steps // 4, steps // 2, steps]  # each at the first progress line that reaches it
 
     def on_log(done: int, summary: dict) -> None:
@@ -166,7 +167,7 @@ def train_on_gpu(args: argparse.Namespace) -> None:
             while saves and done >= saves[0]:
                 saves.pop(0)
 
-    train(objective, batches, TrainConfig(**settings["train"]), log_every=max(1, steps // 40), on_log=on_log,
+    train(objective, batches, train_config, log_every=max(1, steps // 40), on_log=on_log,
           progress=False)
     print(f"# done in {(time.perf_counter() - begin) / 60:.1f} minutes; drafters in {args.out}", flush=True)
 
