@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from domino.config import DrafterConfig
 from domino.drafter import Drafter
@@ -102,10 +103,9 @@ class Batches:
         picked, self.order = self.order[: self.batch_size], self.order[self.batch_size:]
         lengths = [len(self.ids[i]) for i in picked]
         device = self.target.device
-        ids = torch.zeros(len(picked), max(lengths), dtype=torch.long)
-        mask = torch.zeros_like(ids, dtype=torch.bool)
-        for row, (i, n) in enumerate(zip(picked, lengths)):  # right padding, as the pipeline's collate
-            ids[row, :n], mask[row, :n] = torch.from_numpy(self.ids[i]), torch.from_numpy(self.masks[i])
+        # right-padded, as the pipeline's collate pads them
+        ids = pad_sequence([torch.from_numpy(self.ids[i]) for i in picked], batch_first=True)
+        mask = pad_sequence([torch.from_numpy(self.masks[i]) for i in picked], batch_first=True)
         ids, mask, lengths = ids.to(device), mask.to(device), torch.tensor(lengths, device=device)
         attention = (torch.arange(ids.shape[1], device=device) < lengths[:, None]).long()
         out = self.target.forward(ids, layer_ids=self.layer_ids, attention_mask=attention)

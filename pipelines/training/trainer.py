@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+from torch.nn.utils.rnn import pad_sequence
 
 from domino.config import DrafterConfig
 from domino.drafter import Drafter
@@ -56,24 +57,15 @@ class PadCollate(NumpyBatchCollateFn):
         self.dtype = dtype  # the feature transport dtype
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        lengths = [len(ids) for ids in batch["input_ids"]]
-        b, t = len(lengths), max(lengths)
-        out = {"lengths": torch.tensor(lengths), "input_ids": torch.zeros(b, t, dtype=torch.long),
-               "loss_mask": torch.zeros(b, t, dtype=torch.bool),
+        out = {"lengths": torch.tensor([len(ids) for ids in batch["input_ids"]]),
                "target_seconds": torch.tensor(float(np.sum(batch["target_seconds"])))}
-        for i, n in enumerate(lengths):
-            out["input_ids"][i, :n] = torch.from_numpy(np.asarray(batch["input_ids"][i], dtype=np.int64))
-            out["loss_mask"][i, :n] = torch.from_numpy(np.asarray(batch["loss_mask"][i], dtype=bool))
+        for key, dtype in (("input_ids", np.int64), ("loss_mask", bool), ("target_next", np.int64)):
+            if key in batch:
+                out[key] = pad_sequence([torch.from_numpy(np.asarray(row, dtype=dtype)) for row in batch[key]],
+                                        batch_first=True)
         for key in ("features", "final_hidden"):
             if key in batch:
-                rows = [from_numpy(a, self.dtype) for a in batch[key]]
-                out[key] = torch.zeros(b, t, rows[0].shape[-1], dtype=rows[0].dtype)
-                for i, row in enumerate(rows):
-                    out[key][i, : lengths[i]] = row
-        if "target_next" in batch:
-            out["target_next"] = torch.zeros(b, t, dtype=torch.long)
-            for i, n in enumerate(lengths):
-                out["target_next"][i, :n] = torch.from_numpy(np.asarray(batch["target_next"][i], dtype=np.int64))
+                out[key] = pad_sequence([from_numpy(row, self.dtype) for row in batch[key]], batch_first=True)
         return out
 
 
