@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from domino.embedded import EMBEDDED_TARGETS, convert_embedded
 from domino.errors import DominoError
+from domino.packed_linear import pack_linear_layers
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -98,6 +99,7 @@ class Target:
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, name: str):
         self.model = model.eval().requires_grad_(False)
+        pack_linear_layers(model)  # frozen, so on a CPU in float32 its weights can be laid out for oneDNN once
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
@@ -147,7 +149,8 @@ class Target:
         return self.model.get_input_embeddings()
 
     @property
-    def lm_head(self) -> nn.Linear:
+    def lm_head(self) -> nn.Module:
+        """A linear layer (packed on a CPU, packed_linear.py), with the dense `weight` it computes."""
         return self.model.get_output_embeddings()
 
     @property

@@ -7,9 +7,11 @@ import time
 
 import pytest
 import torch
+from torch import nn
 from transformers import BertConfig, T5Config
 
 from domino.errors import DominoError
+from domino.packed_linear import PackedLinear, pack_linear_layers, unpack_linear_layers
 from domino.target import Target, check_layer_ids, resolve_target, select_layer_ids
 from helpers import tiny_target
 
@@ -141,3 +143,37 @@ def test_a_chat_template_that_refuses_the_messages_raises_a_clear_error(embedded
     assert target.encode_prompt([{"role": "user", "content": "hi"}])
     with pytest.raises(DominoError, match="chat template of 'no-system' refuses these messages: System role not supported"):
         target.encode_prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_layers_compute_what_their_dense_weights_do(bias):
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 48, bias=bias)
+    packed = PackedLinear(dense)
+    with torch.no_grad():
+        for rows in (1, 2, 9, 17):
+            x = torch.randn(2, rows, 64)
+            assert torch.allclose(packed(x), dense(x), atol=1e-5)
+            assert torch.allclose(packed(x.transpose(0, 1)), dense(x.transpose(0, 1)), atol=1e-5)  # strided input
+    x = torch.randn(3, 64, requires_grad=True)  # training through a target's LM head: the dense weight's backward
+    packed(x).square().sum().backward()
+    assert torch.allclose(x.grad, 2 * dense(x).detach() @ dense.weight.detach(), atol=1e-5)
+
+
+def test_a_float32_target_on_a_cpu_runs_packed_layers_and_keeps_its_tied_weights(embedded_target):
+    model = embedded_target.model
+    assert not [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    assert isinstance(embedded_target.lm_head, PackedLinear)
+    assert embedded_target.lm_head.weight is embedded_target.embed_tokens.weight  # still tied, not copied
+    assert pack_linear_layers(tiny_target().model.to(torch.bfloat16)) == 0  # bf16: left dense
+
+
+def test_unpacking_gives_back_dense_layers_over_the_same_weights():
+    target = tiny_target()
+    ids = torch.randint(0, 96, (2, 9))
+    packed_logits = target.forward(ids).logits
+    weights = {name: module.weight for name, module in target.model.named_modules() if isinstance(module, PackedLinear)}
+    assert unpack_linear_layers(target.model) == len(weights) == 6 * 7 + 1  # q k v o gate up down per layer, the head
+    dense = dict(target.model.named_modules())
+    assert all(type(dense[name]) is nn.Linear and dense[name].weight is weight for name, weight in weights.items())
+    assert torch.allclose(target.forward(ids).logits, packed_logits, atol=1e-5)

@@ -1,5 +1,6 @@
 """What a drafter costs on the embedded target: parameters per head kind, and the time of one draft
-forward per head kind against one target decode step and one target verification of a whole block. The drafter's
+forward per head kind against one target decode step and one target verification of a whole block, the
+target's linear layers packed for oneDNN (as a float32 target on a CPU runs) and, last, dense. The drafter's
 shape defaults to the training pipeline's default (pipelines/training/config.py); drafts are timed with the
 target's whole vocabulary and with the reduced draft vocabulary, per head kind.
 
@@ -17,6 +18,7 @@ import torch
 
 from domino.config import HEAD_KINDS, DrafterConfig
 from domino.drafter import ContextCache, Drafter
+from domino.packed_linear import unpack_linear_layers
 from domino.sampling import GREEDY, RowSampling
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.training.config import PipelineConfig
@@ -87,6 +89,9 @@ def main(argv: list[str]) -> None:
         for vocab in args.draft_vocab:
             name = f"draft one block of {args.block_size}: head {head}, " + (f"draft vocabulary {vocab}" if vocab else "whole vocabulary")
             timings[name] = draft_seconds(head, vocab)
+    if unpack_linear_layers(target.model):
+        timings["target decode step (1 token), dense weights"] = median_seconds(lambda: target_step(one), args.repeats)
+        timings[f"target verify ({args.block_size + 1} tokens), dense weights"] = median_seconds(lambda: target_step(block), args.repeats)
     step = timings["target decode step (1 token)"]
     print(f"\n| operation (context {args.context}, {args.layers} draft layer(s), rank {args.rank[0]}) | median ms | vs decode step |")
     print("| --- | --- | --- |")
