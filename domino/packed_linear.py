@@ -22,18 +22,25 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 class PackedLinear(nn.Module):
     """`linear`'s forward through its packed weight. The dense weight stays as `weight` (tied input
-    embeddings, the drafter's reduced LM head and `Drafter.start_from_target` read it), and runs the
-    forward whenever autograd is recording, since the packed operator has no backward. The packed copy
-    is made once: the layer must be frozen (a target)."""
+    embeddings, the drafter's reduced LM head and `Drafter.start_from_target` read it) and runs the
+    forward whenever the packed copy cannot: while autograd records (the packed operator has no
+    backward) and once the model is cast to another dtype. A weight changed in place is packed again."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # not a buffer: never saved or moved
+        self.pack()
+
+    def pack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())  # not a buffer: never saved or moved
+        self.packed_from = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        recording = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if recording or x.dtype != torch.float32 or not can_pack(self.weight):
             return F.linear(x, self.weight, self.bias)
+        if self.packed_from != (self.weight.data_ptr(), self.weight._version):
+            self.pack()
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 

@@ -177,3 +177,15 @@ def test_unpacking_gives_back_dense_layers_over_the_same_weights():
     dense = dict(target.model.named_modules())
     assert all(type(dense[name]) is nn.Linear and dense[name].weight is weight for name, weight in weights.items())
     assert torch.allclose(target.forward(ids).logits, packed_logits, atol=1e-5)
+
+
+def test_a_packed_layer_follows_its_weight_when_it_is_changed_or_cast():
+    torch.manual_seed(0)
+    dense = nn.Linear(16, 8)
+    packed = PackedLinear(dense)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        dense.weight.mul_(2)  # in place, after packing
+        assert torch.allclose(packed(x), dense(x), atol=1e-5)
+        packed.double(), dense.double()  # cast, as the exactness tests cast their targets
+        assert torch.allclose(packed(x.double()), dense(x.double()))
