@@ -8,16 +8,19 @@ the default path's matrix products at 2-17 rows are what made speculation expens
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+ONEDNN_ON_X86 = torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Float32 weights on an x86 CPU: what was measured here (not bfloat16, not ARM)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and platform.machine().lower() in ("x86_64", "amd64"))
+    return ONEDNN_ON_X86 and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 class PackedLinear(nn.Module):
@@ -44,25 +47,31 @@ class PackedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
+    def dense(self) -> nn.Linear:
+        """A plain `nn.Linear` over the same weight and bias."""
+        linear = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None, device="meta")
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, packed for oneDNN"
 
 
+def replace_layers(model: nn.Module, wanted: Callable[[nn.Module], bool],
+                   build: Callable[[nn.Module], nn.Module]) -> int:
+    """Replace every module inside `model` that is `wanted` by `build(module)`; returns how many."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if wanted(child)]
+    for parent, name, child in swaps:
+        setattr(parent, name, build(child))
+    return len(swaps)
+
+
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every plain `nn.Linear` inside `model` whose weight oneDNN can pack; returns how many."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear and can_pack(child.weight)]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
-    return len(swaps)
+    return replace_layers(model, lambda m: type(m) is nn.Linear and can_pack(m.weight), PackedLinear)
 
 
 def unpack_linear_layers(model: nn.Module) -> int:
     """Undo `pack_linear_layers`, back to `nn.Linear`s over the same weights (to time both paths)."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, PackedLinear)]
-    for parent, name, child in swaps:
-        linear = nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=child.bias is not None, device="meta")
-        linear.weight, linear.bias = child.weight, child.bias
-        setattr(parent, name, linear)
-    return len(swaps)
+    return replace_layers(model, lambda m: isinstance(m, PackedLinear), PackedLinear.dense)
