@@ -75,8 +75,10 @@ class VerifyPolicy:
         """Whether any draft could be verified this round, whatever the drafts turn out to be."""
         return True
 
-    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
-        """What the round just run cost and returned."""
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float,
+                verify_tokens: int, verify_seconds: float) -> None:
+        """What the round just run cost and returned; `verify_seconds`: its target forward over
+        `verify_tokens` tokens."""
 
     def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None,
                 copied: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,20 +118,27 @@ class ThresholdVerify(VerifyPolicy):
 class SpeculationGate:
     """Drafting costs time before its worth is known: with many requests in a batch, a round of plain
     decoding can commit more tokens per second than a round of draft + verify. A drafted round loses
-    when it commits fewer tokens per second than plain rounds (the SPS profile's estimate, corrected by
-    what plain rounds really measured). After a loss the gate decodes plainly for long enough that the
-    time the loss cost stays under `explore` of the time until the next try, a stretch that grows
-    `growth`-fold with each loss in a row (up to `max_backoff` rounds); a drafted round that wins clears
-    it. A round near break-even is thus retried soon, a hopeless one rarely. Whether drafting pays
-    depends on how many requests share the round, so all this is kept per batch-size class (1, 2-3,
-    4-7, ...): losing at 32 requests does not stop drafting at 1. The gate looks only at finished
-    rounds, so it never changes the output."""
+    when it commits fewer tokens per second than plain rounds would have (the SPS profile's estimate,
+    corrected by what the target's forwards really measured). One round says little: a drafter whose
+    first draft passes 40 % of the time loses most rounds and still wins on average. So the gate keeps
+    `balance`, the rounds lost per drafted round, averaged over about the last `memory` of them
+    (starting from even: a drafter is given a few rounds before it is judged). While the balance shows a
+    loss, the gate decodes plainly for long enough that a drafted round's expected loss stays under
+    `explore` of the time until the next try, a stretch that grows `growth`-fold with each drafted round
+    lost in a row (up to `max_backoff` rounds). A drafter near break-even, which wins now and then, is
+    thus retried soon, a hopeless one rarely. Whether drafting pays depends on how many requests share
+    the round, so all this is kept per batch-size class (1, 2-3, 4-7, ...): losing at 32 requests does
+    not stop drafting at 1. Rounds of copies alone (domino.lookup) are not shown to it: they run no
+    drafter, and the engine runs them whatever the gate says. The gate looks only at finished rounds, so
+    it never changes the output."""
 
     sps: SPSProfile
     explore: float = 0.05
     growth: int = 4
     max_backoff: int = 1024
-    calibration: float = 1.0  # measured / profiled speed of plain rounds
+    memory: int = 32
+    calibration: float = 1.0  # measured / profiled speed of the target's forwards
+    balance: dict[int, float] = field(default_factory=dict)  # batch-size class -> mean rounds lost per drafted round
     losses: dict[int, int] = field(default_factory=dict)  # batch-size class -> drafted rounds lost in a row
     skip: dict[int, int] = field(default_factory=dict)  # batch-size class -> plain rounds still to run
 
@@ -144,19 +153,23 @@ class SpeculationGate:
             return False
         return True
 
-    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float,
+                verify_tokens: int, verify_seconds: float) -> None:
+        # every round's target forward says how fast the target runs now (the profile was taken on a short
+        # context, and once); drafted rounds must tell it too, or a gate that stays open never learns it
+        self.calibration = 0.5 * (self.calibration + self.sps.seconds_at(verify_tokens) / verify_seconds)
+        if not drafted:
+            return
         plain_seconds = 1.0 / (self.calibration * self.sps(rows))  # a plain round commits one token per row
         size = self.size_class(rows)
-        if not drafted:
-            self.calibration = 0.5 * (self.calibration + self.sps.seconds_at(rows) / seconds)
-            return
         lost_rounds = seconds / plain_seconds - committed / rows  # > 0: plain rounds would have been faster
-        if lost_rounds <= 0:
-            self.losses[size] = 0
-            return
-        self.losses[size] = self.losses.get(size, 0) + 1
-        stretch = lost_rounds / self.explore * self.growth ** (self.losses[size] - 1)
-        self.skip[size] = min(math.ceil(stretch), self.max_backoff)
+        balance = self.balance.get(size, 0.0)
+        balance += (lost_rounds - balance) / self.memory
+        self.balance[size] = balance
+        # rounds lost in a row while the balance shows a loss (a win, or a balance at a gain, ends the run)
+        self.losses[size] = self.losses.get(size, 0) + 1 if lost_rounds > 0 and balance > 0 else 0
+        stretch = balance / self.explore * self.growth ** max(self.losses[size] - 1, 0)
+        self.skip[size] = min(math.ceil(stretch), self.max_backoff) if balance > 0 else 0
 
 
 @dataclass
@@ -171,8 +184,9 @@ class GatedPolicy(VerifyPolicy):
     def wants_draft(self, rows: int) -> bool:
         return self.gate.wants_draft(rows)
 
-    def observe(self, drafted: bool, rows: int, committed: int, seconds: float) -> None:
-        self.gate.observe(drafted, rows, committed, seconds)
+    def observe(self, drafted: bool, rows: int, committed: int, seconds: float,
+                verify_tokens: int, verify_seconds: float) -> None:
+        self.gate.observe(drafted, rows, committed, seconds, verify_tokens, verify_seconds)
 
 
 @dataclass

@@ -328,31 +328,54 @@ def plain_rounds_until_draft(gate, rows: int) -> int:
     return skipped
 
 
-def test_gate_stops_drafting_while_it_loses_and_retries_later():
+def test_gate_judges_drafting_by_its_average_and_backs_off_while_it_loses():
     from domino.scheduler import SpeculationGate
 
-    gate = SpeculationGate(LINEAR)  # a plain round of 4 rows: 4 tokens in 13 ms; of 5 rows: 14 ms
-    gate.observe(drafted=True, rows=4, committed=8, seconds=0.010)  # 8 tokens in 10 ms: drafting wins
-    assert gate.wants_draft(4) and gate.losses[3] == 0
-    # 5 tokens in 50 ms: plain rounds would have needed 1.25 x 13 ms, so this round lost 2.6 rounds;
-    # to keep that under 5 % of the time, 52 plain rounds follow
-    gate.observe(drafted=True, rows=4, committed=5, seconds=0.050)
-    assert plain_rounds_until_draft(gate, 4) == 52
-    # a second loss in a row (5 rows: same class) lost 60/14 - 6/5 rounds; its stretch grows x4
-    gate.observe(drafted=True, rows=5, committed=6, seconds=0.060)
-    assert plain_rounds_until_draft(gate, 7) == math.ceil((60 / 14 - 6 / 5) / 0.05 * 4)
-    gate.observe(drafted=True, rows=4, committed=8, seconds=0.010)  # a win clears the back-off
-    assert gate.wants_draft(4) and gate.losses[3] == 0
-    gate.observe(drafted=True, rows=4, committed=4, seconds=0.0135)  # barely lost: retried soon
-    assert plain_rounds_until_draft(gate, 4) == 1
+    gate = SpeculationGate(LINEAR, memory=4)  # a plain round of 4 rows: 4 tokens in 13 ms; of 5 rows: 14 ms
+
+    def drafted(rows: int, committed: int, seconds: float) -> None:  # verify forwards as profiled
+        gate.observe(True, rows, committed, seconds, verify_tokens=rows, verify_seconds=LINEAR.seconds_at(rows))
+
+    drafted(4, 8, 0.013)  # 8 tokens in one plain round's time: won a round; balance -1 / 4
+    assert gate.balance[3] == pytest.approx(-0.25) and gate.wants_draft(4)
+    drafted(4, 5, 0.026)  # lost 2 - 5/4 = 0.75 rounds, but on average drafting still wins: no back-off
+    assert gate.balance[3] == pytest.approx(-0.25 + (0.75 + 0.25) / 4) and gate.wants_draft(4)
+    # a second loss in a row puts the balance at a loss: plain rounds for long enough that a drafted
+    # round's expected loss stays under 5 % of them, and 4 times longer after the next loss in a row
+    drafted(4, 5, 0.026)
+    balance = gate.balance[3]
+    assert balance > 0 and plain_rounds_until_draft(gate, 4) == math.ceil(balance / 0.05)
+    drafted(5, 6, 0.056)  # 5 rows: the same class; lost 4 - 6/5 rounds
+    balance = gate.balance[3]
+    assert plain_rounds_until_draft(gate, 7) == math.ceil(balance / 0.05 * 4)
     for _ in range(6):  # losses in a row: up to max_backoff
-        gate.observe(drafted=True, rows=4, committed=5, seconds=0.050)
+        drafted(4, 5, 0.050)
     assert gate.skip[3] == gate.max_backoff == 1024
     # losing at 4 rows says nothing about 1 or 32 rows: those classes still draft
     assert gate.wants_draft(1) and gate.wants_draft(32) and not gate.wants_draft(6)
-    # plain rounds that run slower than profiled make drafting look better by the same factor
-    gate.observe(drafted=False, rows=4, committed=4, seconds=0.026)
+    for _ in range(8):  # wins bring the balance back to a gain, and the gate opens
+        drafted(4, 32, 0.013)
+    assert gate.balance[3] < 0 and gate.losses[3] == 0 and not gate.skip[3] and gate.wants_draft(4)
+    # target forwards that run slower than profiled make drafting look better by the same factor
+    gate.observe(False, 4, 4, 0.026, verify_tokens=4, verify_seconds=0.026)
     assert gate.calibration == pytest.approx(0.75)
+
+
+def test_gate_stays_open_through_a_losing_streak_of_a_drafter_that_wins_on_average():
+    """A drafter whose first draft passes a third of the time, at 1.2 plain rounds a drafted round: it loses
+    two rounds of three and gains 0.3 tokens a round on average. Judged round by round it would be shut
+    out for most of a request; judged by its average it drafts nearly every round."""
+    from domino.scheduler import SpeculationGate
+
+    gate = SpeculationGate(LINEAR)
+    step = LINEAR.seconds_at(1)
+    rounds = drafted_rounds = 0
+    for outcome in [3, 1, 1] * 40:  # tokens committed by each drafted round
+        rounds += 1
+        if gate.wants_draft(1):
+            drafted_rounds += 1
+            gate.observe(True, 1, outcome, 1.2 * step, verify_tokens=9, verify_seconds=LINEAR.seconds_at(9))
+    assert drafted_rounds == rounds
 
 
 @pytest.mark.parametrize("gated, lookup", [(ConfidenceScheduler, 0), (GatedFullVerify, 0), (ConfidenceScheduler, 1)])
