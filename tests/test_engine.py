@@ -516,3 +516,13 @@ def test_unsupported_attention_kinds_are_refused():
                            num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
     with pytest.raises(DominoError, match="layer 0 is 'sliding_attention'"):
         DecodingEngine(Target(MistralForCausalLM(config), tokenizer=None, name="mistral"), None)
+
+
+def test_sps_profile_never_prices_more_tokens_below_fewer(target):
+    """Timing noise must not make a larger forward look cheaper than a smaller one: the scheduler would
+    then price a 2-token verify above a 4-token one."""
+    from domino.scheduler import profile_sps
+
+    profile = profile_sps(target, max_tokens=64, context=8, repeats=1)
+    assert profile.tokens == [1, 2, 4, 8, 16, 32, 64]
+    assert profile.seconds == sorted(profile.seconds)
