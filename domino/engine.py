@@ -251,9 +251,9 @@ class DecodingEngine:
         start = time.perf_counter()
         draft = None
         lengths = torch.zeros_like(caps)
-        copies_only = self._copies_ready(states)
-        tried = (int(caps.max()) > 0 and self.policy.could_pay(caps)
-                 and (copies_only or self.policy.wants_draft(len(states))))
+        could_draft = int(caps.max()) > 0 and self.policy.could_pay(caps)
+        copies_only = could_draft and self._copies_ready(states)
+        tried = copies_only or (could_draft and self.policy.wants_draft(len(states)))
         if tried:
             draft = self._propose(states, anchors, positions, sampling, caps)
             if draft is not None:
@@ -286,7 +286,7 @@ class DecodingEngine:
         self.caches.settle(offsets < 1 + accepted[:, None])
         self.target.synchronize()
         settled = time.perf_counter()
-        if not (tried and copies_only):  # a round of copies alone says nothing of whether the drafter pays
+        if not copies_only:  # a round of copies alone says nothing of whether the drafter pays
             self.policy.observe(tried, len(states), int(accepted.sum()) + len(states), settled - start,
                                 block.numel(), verified - drafted)
 

@@ -364,7 +364,7 @@ def test_gate_judges_drafting_by_its_average_and_backs_off_while_it_loses():
 def test_gate_stays_open_through_a_losing_streak_of_a_drafter_that_wins_on_average():
     """A drafter whose first draft passes a third of the time, at 1.2 plain rounds a drafted round: it loses
     two rounds of three and gains 0.3 tokens a round on average. Judged round by round it would be shut
-    out for most of a request; judged by its average it drafts nearly every round."""
+    out for most of a request; judged by its average it drafts every round."""
     from domino.scheduler import SpeculationGate
 
     gate = SpeculationGate(LINEAR)
