@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "beats plain decoding (profiles the target first); 'threshold': stop where the "
                                "confidence head's estimate that the prefix survives falls below --threshold; "
                                "'confidence': DSpark's scheduling against the target's profiled speed (gated "
-                               "and confidence pay on CPUs, where a verify of a few tokens costs about two steps)")
+                               "and confidence pay on CPUs, where a verify of a few tokens costs more than one step)")
     generate.add_argument("--threshold", type=float, default=0.3)
     export = commands.add_parser(
         "export", help="write a drafter in DFlash's or SGLang's Domino checkpoint format",

@@ -9,6 +9,7 @@ import torch
 from domino.errors import DominoError
 from domino.requests import GenerationStats
 from pipelines import bench
+from pipelines.benchmarks import side_by_side
 from pipelines.benchmarks.methods import Output, make_method
 from pipelines.benchmarks.prompts import load_prompt_set
 from pipelines.benchmarks.report import Row, compare_with_baseline
@@ -99,6 +100,13 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
         make_method("beam", embedded_target)
     assert bench.main(["run", "--datasets", str(tmp_path / "nope.jsonl")]) == 2
     assert "error: dataset" in capsys.readouterr().err
+
+
+def test_the_ablation_measures_learned_drafts_alone_unless_told_otherwise():
+    # copies from the text would be most of every head's tau, hiding what the ablation compares
+    assert side_by_side.parse_args([], ablation=True).lookup == 0
+    assert side_by_side.parse_args(["--lookup", "3"], ablation=True).lookup == 3
+    assert side_by_side.parse_args([], ablation=False).lookup is None  # run: each checkpoint's own
 
 
 def test_embedded_prompt_sets_load_and_sharegpt_is_held_out_of_training():

@@ -12,8 +12,9 @@ Writes results.json, results.md and two plots (acceptance by position, speedup p
 
 `ablation` first trains, through the training pipeline, one drafter per variant of Domino's ablation
 (heads none, markov, rnn, domino, and domino without the base-anchored curriculum) on the same data
-and budget, then benchmarks them together. `--train key=value ...` sets that budget with the
-pipeline's own config keys (python pipelines/train.py --help), e.g. --train steps=120.
+and budget, then benchmarks them together, without context lookup unless `--lookup N` asks for it (the
+copies would hide the heads). `--train key=value ...` sets that budget with the pipeline's own config
+keys (python pipelines/train.py --help), e.g. --train steps=120.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     if ablation:
         parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
                             help="training-pipeline config for the ablation (same for every variant)")
+        parser.set_defaults(lookup=0)  # the ablation compares heads: copies from the text would hide them
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1:
         parser.error("--prompts and --max-new-tokens must be positive")
