@@ -50,16 +50,17 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
                         help="how many of its drafts a drafter's round verifies (threshold and confidence need "
                              "a confidence head; gated and confidence profile the target's steps per second "
                              "first and draft only while drafting pays); several: each drafter once per policy")
-    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+    # the ablation compares heads: copies from the text would hide them
+    parser.add_argument("--lookup", type=int, default=0 if ablation else None, metavar="N",
                         help="override the drafters' context lookup: copy drafts after repeats of up to N tokens "
-                             "(0: the learned drafter alone; default: each checkpoint's own setting)")
+                             "(0: the learned drafter alone; default: "
+                             + ("0" if ablation else "each checkpoint's own setting") + ")")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (seeded)")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: turn t of conversation c samples with seed + 100 c + t")
     parser.add_argument("--out", default="results/bench", help="output folder")
     if ablation:
         parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
                             help="training-pipeline config for the ablation (same for every variant)")
-        parser.set_defaults(lookup=0)  # the ablation compares heads: copies from the text would hide them
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1:
         parser.error("--prompts and --max-new-tokens must be positive")
