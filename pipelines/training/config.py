@@ -55,7 +55,7 @@ class PipelineConfig(BaseModel):
     feature_dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="dtype features travel in")
     compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="dtype the feature actors run the target in and the trainers' steps compute in (autocast); "
-                            "auto: bfloat16 on GPUs and on CPUs with AMX, float32 elsewhere (regeneration and evaluation "
+                            "auto: bfloat16 on GPUs and on CPUs with AMX or AVX-512 BF16, float32 elsewhere (regeneration and evaluation "
                             "run the target as it is served)")
     data_cpus: float = Field(0.25, gt=0, description="CPUs per read/tokenise task")
 
