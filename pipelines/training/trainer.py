@@ -197,12 +197,14 @@ def quiet_ray_train_reports() -> None:
 
 def train_worker(config: dict) -> None:
     """The function every Ray Train worker runs."""
+    cfg = PipelineConfig(**config["cfg"])
+    if not cfg.use_gpu:  # what DeepSpeed would fall back to, said so that it does not warn of a missing GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
     quiet_ray_train_reports()
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # its C++ build takes minutes; gloo is enough
-    cfg = PipelineConfig(**config["cfg"])
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.set_num_threads(torch_threads(cfg.trainer_cpus))
