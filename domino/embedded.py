@@ -61,6 +61,8 @@ def convert_embedded(name: str) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
         model.generation_config = gguf_model.generation_config
+        if not torch.cuda.is_available():  # saving asks DeepSpeed (when installed) for its device: name the one it would
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # fall back to, so that it does not warn of a missing GPU
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         try:

@@ -24,9 +24,11 @@ if not __package__:  # run as a script: make the repository importable here and 
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
 
 import logging  # noqa: E402
+import warnings  # noqa: E402
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+from ray.util.annotations import RayDeprecationWarning  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from domino.errors import DominoError  # noqa: E402
@@ -44,15 +46,28 @@ from pipelines.training.trainer import drafter_config, fit  # noqa: E402
 
 def connect() -> None:
     """Join the cluster this job was submitted to (RAY_ADDRESS), else start a private local one."""
+    # Set before a local cluster starts, these reach every worker too (a cluster's own are its operator's):
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else every worker line is printed twice
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")  # not each dataset's execution plan and start and end
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # not a bar each time a worker loads the target
+    ray.data.DataContext.get_current().enable_progress_bars = False  # bars redrawn in a log are noise
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    quiet_ray_notices()
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level=logging.WARNING)
     else:  # Ray Train's placement-group cleaner needs the dashboard's state API
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, logging_level=logging.WARNING,
+                 runtime_env={"worker_process_setup_hook": quiet_ray_notices})
+
+
+def quiet_ray_notices() -> None:
+    """Run in the driver and in every worker of the local cluster the job starts: notices a user can do
+    nothing about (Ray Train's own use of an option Ray Data deprecated; that the progress bars the job
+    turned off are off) stay out of the job's output."""
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*exclude_resources", category=RayDeprecationWarning)
 
 
 def shape_only_target(path: str, name: str) -> Target:
