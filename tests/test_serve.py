@@ -374,6 +374,11 @@ def test_metrics_reach_prometheus(server, ray_cluster):
     tokens = re.search(rf'^ray_domino_generated_tokens_total{{[^}}]*application="{APP}"[^}}]*}} (\S+)$',
                        text, re.MULTILINE)
     assert tokens and float(tokens.group(1)) >= finished["usage"]["completion_tokens"]
+    # Ray exports a histogram's sum from its buckets' midpoints: each round's whole number of tokens must
+    # come back whole, and at least one per round
+    count, total = (float(re.search(rf'^ray_domino_accept_length_{part}{{[^}}]*application="{APP}"[^}}]*}} (\S+)$',
+                                    text, re.MULTILINE).group(1)) for part in ("count", "sum"))
+    assert total >= count > 0 and total == int(total), (total, count)
 
 
 # -- isolation: one request never costs another its answer ----------------------------------------

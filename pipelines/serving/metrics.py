@@ -14,8 +14,10 @@ from ray.serve import metrics
 from domino.engine import Event
 from domino.config import MAX_BLOCK_SIZE
 
-# One bucket per accepted length up to 16, then coarser up to the largest possible round.
-ACCEPT_LENGTH_BUCKETS = [*range(1, 17), 24, 32, 48, MAX_BLOCK_SIZE + 1]
+# One bucket per accepted length up to 16, then coarser up to the largest possible round. The bounds sit
+# halfway between whole numbers: Ray exports a histogram's sum from its buckets' midpoints, which are then
+# the lengths themselves (bounds on whole numbers made the sum, and so tau, about half a token low).
+ACCEPT_LENGTH_BUCKETS = [length + 0.5 for length in [0, *range(1, 17), 24, 32, 48, MAX_BLOCK_SIZE + 1]]
 
 
 class ReplicaMetrics:
