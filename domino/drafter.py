@@ -452,7 +452,7 @@ class Drafter(nn.Module):
     def from_pretrained(cls, path: str | Path, target) -> "Drafter":
         """Load a drafter for `target` (a domino.target.Target) from a folder in our format or DFlash's
         (domino.formats), refusing one made for another target."""
-        path = Path(path)
+        path = Path(path).expanduser()
         config, weights = read_checkpoint(path, target)
         drafter = cls(config, target.embed_tokens, target.lm_head)
         try:

@@ -27,7 +27,7 @@ from domino.errors import DominoError
 from domino.batch_caches import BatchCaches
 from domino.requests import GenerationConfig, GenerationResult, RequestState, TokenLogprob
 from domino.sampling import ACCEPT, TARGET, RowSampling, point_masses
-from domino.scheduler import FullVerify
+from domino.scheduler import NEEDS_CONFIDENCE_HEAD, FullVerify
 from domino.target import Target
 from domino.verify import greedy_accept, speculative_accept
 
@@ -92,8 +92,7 @@ class DecodingEngine:
         block_size = block_size or 16
         self.policy = policy or FullVerify()
         if self.policy.needs_confidence and not (isinstance(drafter, Drafter) and drafter.confidence is not None):
-            raise DominoError("confidence-scheduled verification needs a drafter trained with a confidence head "
-                              "(confidence_head=true)")
+            raise DominoError(f"confidence-scheduled verification {NEEDS_CONFIDENCE_HEAD}")
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.layer_ids = drafter.config.target_layer_ids if isinstance(drafter, Drafter) else []
         self.pending: dict[str, RequestState] = {}

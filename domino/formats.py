@@ -113,6 +113,12 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise DominoError(f"{path} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
 
 
+def has_confidence_head(path: Path) -> bool:
+    """Whether the checkpoint folder's drafter has a confidence head (DFlash drafters have none), read
+    without loading a target or weights."""
+    return checkpoint_format(path) == "domino" and DrafterConfig.load(path / CONFIG_NAME).confidence_head
+
+
 def read_checkpoint(path: str | Path, target: "Target") -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """The drafter config and our-named weights of a domino or DFlash checkpoint folder for `target`."""
     path = Path(path)

@@ -111,6 +111,10 @@ class ThresholdVerify(VerifyPolicy):
     threshold: float = 0.3
     needs_confidence = True
 
+    def __post_init__(self) -> None:
+        if not 0 < self.threshold < 1:
+            raise DominoError(f"the threshold is a survival probability between 0 and 1 (exclusive), got {self.threshold}")
+
     def lengths(self, caps: torch.Tensor, confidence: torch.Tensor,
                 copied: torch.Tensor | None = None) -> torch.Tensor:
         survive = torch.cumprod(confidence, dim=1) >= self.threshold
@@ -270,17 +274,19 @@ class ConfidenceScheduler(GatedPolicy):
         return lengths.to(caps.device)
 
 
-POLICIES = ("full", "gated", "threshold", "confidence")
+NEEDS_CONFIDENCE_HEAD = "needs a drafter trained with a confidence head (confidence_head=true)"
+POLICY_CLASSES: dict[str, type[VerifyPolicy]] = {
+    "full": FullVerify, "gated": GatedFullVerify, "threshold": ThresholdVerify, "confidence": ConfidenceScheduler}
+POLICIES = tuple(POLICY_CLASSES)
 
 
 def make_policy(name: str, target=None, threshold: float = 0.3, max_tokens: int = 512):
     """A verify policy by name (POLICIES); 'gated' and 'confidence' profile the target's SPS."""
-    if name == "full":
-        return FullVerify()
-    if name == "threshold":
+    if name not in POLICY_CLASSES:
+        raise DominoError(f"unknown verify policy '{name}': choose {', '.join(POLICIES)}")
+    policy = POLICY_CLASSES[name]
+    if policy is ThresholdVerify:
         return ThresholdVerify(threshold)
-    if name == "gated":
-        return GatedFullVerify(profile_sps(target, max_tokens=max_tokens))
-    if name == "confidence":
-        return ConfidenceScheduler(profile_sps(target, max_tokens=max_tokens))
-    raise DominoError(f"unknown verify policy '{name}': choose {', '.join(POLICIES)}")
+    if issubclass(policy, GatedPolicy):
+        return policy(profile_sps(target, max_tokens=max_tokens))
+    return policy()

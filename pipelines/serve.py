@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -38,7 +39,8 @@ from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import choice_seed
-from domino.scheduler import POLICIES, make_policy
+from domino.formats import has_confidence_head
+from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.api import (ERRORS, SSE_CONTENT, ApiError, ServedLimits, api, checked, event_stream,
                                    publish_limits)
@@ -269,8 +271,18 @@ class OpenAIServer:
         return StreamingResponse(relayed(first, chunks), media_type="text/event-stream")
 
 
+def check_drafter(args: ServeArgs) -> None:
+    """The drafter's folder and the verify policy it must support, checked where the application is built:
+    a replica that fails to start is retried, and Serve then goes on serving nothing. So a checkpoint
+    folder must lie at the same path here and on the replicas' nodes."""
+    confident = args.drafter not in ("none", "oracle") and has_confidence_head(Path(args.drafter).expanduser())
+    if POLICY_CLASSES[args.verify].needs_confidence and not confident:
+        raise DominoError(f"verify={args.verify} {NEEDS_CONFIDENCE_HEAD}; drafter={args.drafter} has none")
+
+
 def application(args: ServeArgs, **engine_options) -> Application:
     """The application for `args`; `engine_options` (autoscaling, ...) override the engine replicas' defaults."""
+    check_drafter(args)
     resources = {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus}
     return OpenAIServer.bind(EngineReplica.options(ray_actor_options=resources, **engine_options).bind(args))
 

@@ -30,3 +30,23 @@ def test_cluster_config_autoscales():
     scaling = deployment.autoscaling_config
     assert 1 <= scaling["min_replicas"] < scaling["max_replicas"]
     assert scaling["target_ongoing_requests"] <= deployment.max_ongoing_requests
+
+
+def test_the_builder_refuses_a_drafter_the_replicas_could_not_start_with(tmp_path):
+    """Checked where the application is built: a replica failing in its constructor is retried and Serve
+    goes on serving nothing, so `serve run` must end with the reason instead."""
+    from domino.errors import DominoError
+    from pipelines.serve import build_app
+    from helpers import tiny_drafter, tiny_target
+
+    with pytest.raises(DominoError, match="no drafter checkpoint at"):
+        build_app({"drafter": str(tmp_path / "gone")})
+    with pytest.raises(DominoError, match="verify=confidence needs a drafter trained with a confidence head"):
+        build_app({"drafter": "none", "verify": "confidence"})
+    target = tiny_target()
+    for confident in (False, True):
+        tiny_drafter(target, confidence_head=confident).save_pretrained(tmp_path / str(confident))
+    with pytest.raises(DominoError, match="verify=threshold needs"):
+        build_app({"drafter": str(tmp_path / "False"), "verify": "threshold"})
+    build_app({"drafter": str(tmp_path / "True"), "verify": "confidence"})
+    build_app({"drafter": str(tmp_path / "False"), "verify": "gated"})
