@@ -17,30 +17,32 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser(
         "generate", help="generate text, streaming tokens as they are committed",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Generate with lossless speculative decoding. Prints the text as it is committed, then "
                     "tau (tokens per target forward) and tokens/s on stderr.")
     generate.add_argument("--target", default=DEFAULT_TARGET,
-                          help=f"model folder, hub id, or the embedded '{DEFAULT_TARGET}' (default)")
+                          help="model folder, hub id, or the embedded default")
     generate.add_argument("--drafter", default="none",
                           help="drafter checkpoint folder; 'none' decodes without one (the baseline); "
                                "'oracle' proposes the target's own greedy output (the loop's ceiling)")
     generate.add_argument("--prompt", required=True, help="the user message (chat models) or raw prompt")
-    generate.add_argument("--max-new-tokens", type=int, default=256)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    generate.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens holding this much probability")
     generate.add_argument("--top-k", type=int, default=0, help="0 turns top-k off")
     generate.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
     generate.add_argument("--block-size", type=int, default=None,
-                          help="draft length for --drafter oracle (default 16); a checkpoint has its own")
+                          help="draft length for --drafter oracle (16 when unset); a checkpoint has its own")
     generate.add_argument("--verify", choices=POLICIES, default="full",
-                          help="verify every draft (default); 'gated': every draft, but draft only while drafting "
+                          help="'full': verify every draft; 'gated': every draft, but draft only while drafting "
                                "beats plain decoding (profiles the target first); 'threshold': stop where the "
                                "confidence head's estimate that the prefix survives falls below --threshold; "
                                "'confidence': DSpark's scheduling against the target's profiled speed (gated "
                                "and confidence pay on CPUs, where a verify of a few tokens costs more than one step)")
-    generate.add_argument("--threshold", type=float, default=0.3)
+    generate.add_argument("--threshold", type=float, default=0.3,
+                          help="for --verify threshold: the survival estimate below which a row stops verifying")
     export = commands.add_parser(
         "export", help="write a drafter in DFlash's or SGLang's Domino checkpoint format",
         description="Convert a drafter trained here for other engines: 'dflash' (z-lab's DFlashDraftModel, vLLM "

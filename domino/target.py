@@ -79,6 +79,17 @@ def resolve_target(name_or_path: str) -> str:
     )
 
 
+def causal_lm_config(path: str, name: str):
+    """The config of the model at `path` (resolve_target's answer for `name`), refused with a clear error
+    when it cannot be read or is not a decoder-only language model."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except OSError as error:
+        raise DominoError(f"cannot read the model config of '{name}': {error}") from None
+    check_causal_lm(config)
+    return config
+
+
 def check_causal_lm(config) -> None:
     if config.is_encoder_decoder or getattr(config, "is_decoder", None) is False:
         raise DominoError(
@@ -110,11 +121,7 @@ class Target:
     def load(cls, name_or_path: str = DEFAULT_TARGET, device: str | torch.device = "cpu",
              dtype: torch.dtype | None = None) -> "Target":
         resolved = resolve_target(name_or_path)
-        try:
-            config = AutoConfig.from_pretrained(resolved)
-        except OSError as error:
-            raise DominoError(f"cannot read the model config of '{name_or_path}': {error}") from None
-        check_causal_lm(config)
+        causal_lm_config(resolved, name_or_path)
         if dtype is None:
             dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype).to(device)

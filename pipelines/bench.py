@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from domino.errors import DominoError
+
 # command -> (module under pipelines.benchmarks, its function taking the command's arguments, what it measures)
 COMMANDS = {
     "run": ("side_by_side", "run", "decoding methods side by side on prompt sets: tokens/s, tau, lossless"),
@@ -41,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown benchmark '{command}'\n\n{usage()}", file=sys.stderr)
         return 2
     module, function, _ = COMMANDS[command]
-    return getattr(importlib.import_module(f"pipelines.benchmarks.{module}"), function)(rest) or 0
+    try:
+        return getattr(importlib.import_module(f"pipelines.benchmarks.{module}"), function)(rest) or 0
+    except DominoError as error:  # bad input named in one line, whichever benchmark met it
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

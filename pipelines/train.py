@@ -29,10 +29,10 @@ import warnings  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 from ray.util.annotations import RayDeprecationWarning  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from domino.errors import DominoError  # noqa: E402
-from domino.target import Target, check_causal_lm, resolve_target  # noqa: E402
+from domino.target import Target, causal_lm_config, resolve_target  # noqa: E402
 from domino.vocabulary import coverage, most_frequent  # noqa: E402
 from pipelines.training import checkpoints  # noqa: E402
 from pipelines.training.config import PipelineConfig, command_line, parse_args  # noqa: E402
@@ -73,8 +73,7 @@ def quiet_ray_notices() -> None:
 def shape_only_target(path: str, name: str) -> Target:
     """The target's config and tokenizer, its weights left on the meta device: enough to size a drafter
     in the driver without loading a large model there."""
-    config = AutoConfig.from_pretrained(path)
-    check_causal_lm(config)
+    config = causal_lm_config(path, name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return Target(model, AutoTokenizer.from_pretrained(path), name)

@@ -100,6 +100,13 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
         make_method("beam", embedded_target)
     assert bench.main(["run", "--datasets", str(tmp_path / "nope.jsonl")]) == 2
     assert "error: dataset" in capsys.readouterr().err
+    # every benchmark's bad input ends in one line and exit 2, not a traceback
+    assert bench.main(["run", "--datasets", "gsm", "--methods", f"d={tmp_path / 'gone'}"]) == 2
+    assert f"no drafter checkpoint folder at {tmp_path / 'gone'}" in capsys.readouterr().err
+    assert bench.main(["batching", "--drafter", str(tmp_path / "gone")]) == 2
+    assert "error: no drafter checkpoint at" in capsys.readouterr().err
+    assert bench.main(["engine", "--target", str(tmp_path / "gone")]) == 2
+    assert "error: target" in capsys.readouterr().err
 
 
 def test_the_ablation_measures_learned_drafts_alone_unless_told_otherwise():

@@ -1,2 +1,8 @@
 """Every benchmark behind `python -m pipelines.bench COMMAND`: the side-by-side harness (prompt sets,
 methods, reports) and the scripts that measure single pieces."""
+
+import argparse
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every benchmark's --help: its module docstring as written, and each option's default."""

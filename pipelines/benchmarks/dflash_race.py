@@ -36,6 +36,7 @@ from domino.formats import export
 from domino.requests import GenerationConfig
 from domino.scheduler import FullVerify, GatedFullVerify, profile_sps
 from domino.target import DEFAULT_TARGET, Target
+from pipelines.benchmarks import HelpFormatter
 from pipelines.benchmarks.engine import PROMPTS
 
 
@@ -76,7 +77,7 @@ def ours(engine: DecodingEngine, prompts: list[list[int]], max_new_tokens: int) 
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.bench dflash-race", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench dflash-race", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafter", help="a DFlash-format drafter folder for the target")
     parser.add_argument("--make-random", metavar="DIR", help="write a random DFlash drafter for the target and stop")
@@ -96,8 +97,8 @@ def main(argv: list[str]) -> None:
         return
     if not args.drafter:
         parser.error("pass --drafter DIR (a DFlash-format folder), or --make-random DIR to write one")
+    drafter = Drafter.from_pretrained(args.drafter, target)  # first: it names a missing or mismatched folder
     model = DFlashDraftModel.from_pretrained(args.drafter).to(target.model.dtype).eval()
-    drafter = Drafter.from_pretrained(args.drafter, target)
     prompts = [target.encode_prompt(p) for p in PROMPTS[:args.prompts]]
 
     totals = {name: dict(tokens=0, seconds=0.0, rounds=0, committed=0) for name in ("reference", "ours")}

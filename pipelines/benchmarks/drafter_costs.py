@@ -21,6 +21,7 @@ from domino.drafter import ContextCache, Drafter
 from domino.packed_linear import unpack_linear_layers
 from domino.sampling import GREEDY, RowSampling
 from domino.target import DEFAULT_TARGET, Target
+from pipelines.benchmarks import HelpFormatter
 from pipelines.training.config import PipelineConfig
 
 
@@ -35,7 +36,7 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.bench drafter-costs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench drafter-costs", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     default = PipelineConfig()
     parser.add_argument("--layers", type=int, default=default.draft_layers, help="draft layers")
@@ -46,6 +47,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--context", type=int, default=256, help="tokens already in the caches")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
+    if min(args.layers, args.block_size, args.context, args.repeats, *args.rank) < 1 or min(args.draft_vocab) < 0:
+        parser.error("--layers, --block-size, --rank, --context and --repeats must be positive, --draft-vocab not negative")
 
     torch.manual_seed(0)
     target = Target.load(args.target)

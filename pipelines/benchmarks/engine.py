@@ -15,6 +15,7 @@ import torch
 from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.target import DEFAULT_TARGET, Target
+from pipelines.benchmarks import HelpFormatter
 
 PROMPTS = [
     "Write a short poem about the ocean.",
@@ -27,7 +28,7 @@ PROMPTS = [
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.bench engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench engine", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)

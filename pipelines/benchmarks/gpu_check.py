@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from domino.errors import DominoError
 from domino.target import DEFAULT_TARGET, resolve_target
+from pipelines.benchmarks import HelpFormatter
 from pipelines.training.config import PipelineConfig, parse_args
 from pipelines.training.errors import exit_status
 
@@ -29,7 +30,7 @@ SHAPES = {"4b": (36, 2560, 9728, 32, 8), "1.7b": (28, 2048, 6144, 16, 8), "0.6b"
 
 
 def arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.bench gpu-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench gpu-check", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="4b", help="Qwen3 size to imitate")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--storage", default=None, help="storage_path (default: a temporary folder)")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -34,6 +33,7 @@ from domino.errors import DominoError
 from domino.objective import DraftingObjective
 from domino.target import DEFAULT_TARGET, Target, resolve_target
 from domino.training import AdamWStep, TrainConfig, train
+from pipelines.benchmarks import HelpFormatter
 
 DATA, CONFIG = "data.npz", "config.json"
 
@@ -174,7 +174,7 @@ def train_on_gpu(args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench gpu-drafter", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("mode", choices=["prepare", "train"])
     parser.add_argument("--out", type=Path, required=True, help="prepare: the data folder; train: where drafters go")
     parser.add_argument("--data", type=Path, help="train: the folder `prepare` wrote")
@@ -185,14 +185,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="train: the target `prepare` tokenised for")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="train: cpu only to try the script")
     args, overrides = parser.parse_known_args(argv)
-    try:
-        if args.mode == "prepare":
-            prepare(args, overrides)
-        elif args.data is None:
-            raise DominoError("train needs --data, the folder `prepare` wrote")
-        else:
-            train_on_gpu(args)
-    except DominoError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.mode == "prepare":
+        prepare(args, overrides)
+    elif args.data is None:
+        parser.error("train needs --data, the folder `prepare` wrote")
+    else:
+        train_on_gpu(args)
     return 0

@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import platform
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +33,11 @@ import torch
 from domino.acceptance import greedy_accepted
 from domino.config import DrafterConfig
 from domino.drafter import Drafter
-from domino.errors import DominoError
 from domino.objective import DraftingObjective, ObjectiveConfig, curriculum_lambda
 from domino.target import DEFAULT_TARGET, Target, resolve_target
 from domino.training import AdamWStep, MetricsWindow, TrainConfig
 from domino.vocabulary import count_tokens, most_frequent
+from pipelines.benchmarks import HelpFormatter
 from pipelines.training.data import TOO_LONG, embedded_sharegpt, embedded_sharegpt_tail, tokenize_batch
 from pipelines.training.features import Regenerate, TargetFeatures
 from pipelines.training.config import PipelineConfig
@@ -301,7 +300,7 @@ def plot(curves: list[Curve], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.bench learning-curve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench learning-curve", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--variants", nargs="+", default=["base"], choices=sorted(VARIANTS))
     parser.add_argument("--steps", type=int, default=300)
@@ -320,11 +319,8 @@ def main(argv: list[str]) -> int:
     target_path = resolve_target(args.target)
     target = Target.load(target_path)
     print(f"# {args.target} on {platform.processor() or platform.machine()}, 1 thread, torch {torch.__version__}")
-    try:  # a bad checkpoint is named before the held-out answers are written
-        saved = {folder: Drafter.from_pretrained(folder, target) for folder in args.checkpoints or []}
-    except DominoError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    # a bad checkpoint is named before the held-out answers are written
+    saved = {folder: Drafter.from_pretrained(folder, target) for folder in args.checkpoints or []}
 
     held_prompts = [json.dumps([{"role": "user", "content": p}]) for p in embedded_sharegpt_tail(args.held_out)]
     held = regenerated_sequences(target_path, held_prompts, args.max_length + args.new_tokens, args.new_tokens)

@@ -3,7 +3,8 @@ completions until a request count or a time limit is reached; reports errors, p5
 total tokens/s, and the server's speculative statistics.
 
 Loopback only: it refuses any host other than this machine. Several servers (label=URL) are measured
-in turns, round after round, so that they see the same machine load.
+in turns, round after round, so that they see the same machine load. It exits with 1 when any request
+failed, so that a script can tell.
 
     python -m pipelines.bench load --url plain=http://127.0.0.1:8000/plain \\
         --url oracle=http://127.0.0.1:8000/oracle [--clients 32] [--requests 64] [--max-tokens 32]
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import requests
+
+from pipelines.benchmarks import HelpFormatter
 
 PROMPTS = [
     "Write a short poem about the ocean.",
@@ -102,8 +105,8 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.bench load", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--url", action="append", required=True, help="label=URL of a server (repeatable)")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64, help="requests per server and round")
@@ -140,4 +143,5 @@ def main(argv: list[str]) -> None:
     for label, r in results.items():
         for error in r.errors[:5]:
             print(f"error ({label}): {error}")
+    return 1 if any(r.errors for r in results.values()) else 0  # a load test with failed requests did not pass
 

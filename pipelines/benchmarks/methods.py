@@ -72,6 +72,8 @@ def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "
         return Method(spec, target, hf_options=dict(prompt_lookup_num_tokens=10), sampling=sampling)
     name, _, path = spec.rpartition("=")
     if not Path(path).is_dir():
+        if name or "/" in path:
+            raise DominoError(f"method '{spec}': no drafter checkpoint folder at {path}")
         raise DominoError(f"unknown method '{spec}': use one of {', '.join(BUILTIN)}, or a drafter checkpoint "
                           f"folder (PATH or NAME=PATH)")
     drafter = Drafter.from_pretrained(path, target)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -30,6 +29,7 @@ from domino.errors import DominoError
 from domino.sampling import SamplingParams
 from domino.scheduler import POLICIES
 from domino.target import DEFAULT_TARGET, Target
+from pipelines.benchmarks import HelpFormatter
 from pipelines.benchmarks.methods import BUILTIN, Method, make_methods
 from pipelines.benchmarks.prompts import EMBEDDED, PromptSet, load_prompt_set
 from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, markdown, write
@@ -37,7 +37,7 @@ from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, ma
 
 def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m pipelines.bench {'ablation' if ablation else 'run'}",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench", "gsm"],
                         help=f"embedded sets ({', '.join(EMBEDDED)}) or turns-JSONL files")
@@ -53,8 +53,7 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     # the ablation compares heads: copies from the text would hide them
     parser.add_argument("--lookup", type=int, default=0 if ablation else None, metavar="N",
                         help="override the drafters' context lookup: copy drafts after repeats of up to N tokens "
-                             "(0: the learned drafter alone; default: "
-                             + ("0" if ablation else "each checkpoint's own setting") + ")")
+                             "(0: the learned drafter alone; None: each checkpoint's own setting)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (seeded)")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: turn t of conversation c samples with seed + 100 c + t")
     parser.add_argument("--out", default="results/bench", help="output folder")
@@ -146,16 +145,12 @@ def ablation(argv: list[str]) -> int:
 def benchmark_command(argv: list[str], ablation: bool) -> int:
     """`run` or `ablation`: (train,) benchmark, then write and print the report."""
     args = parse_args(argv, ablation)
-    try:
-        prompt_sets = [load_prompt_set(spec, args.prompts) for spec in args.datasets]
-        drafters = train_ablation(args.train) if ablation else []
-        target = Target.load(args.target)
-        specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
-        methods = [method for spec in specs
-                   for method in make_methods(spec, target, args.block_size, args.verify, args.sampling, args.lookup)]
-    except DominoError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    prompt_sets = [load_prompt_set(spec, args.prompts) for spec in args.datasets]
+    drafters = train_ablation(args.train) if ablation else []
+    target = Target.load(args.target)
+    specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
+    methods = [method for spec in specs
+               for method in make_methods(spec, target, args.block_size, args.verify, args.sampling, args.lookup)]
     rows = benchmark(target, methods, prompt_sets, args.max_new_tokens, args.seed)
     command = f"python -m pipelines.bench {'ablation' if ablation else 'run'} " + shlex.join(argv)
     files = write(rows, Path(args.out), command)
