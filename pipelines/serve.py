@@ -144,6 +144,7 @@ class EngineReplica:
             raise ApiError(404, f"the model '{request.model}' is not served here; this server serves '{self.model}'",
                            type="not_found_error", param="model", code="model_not_found")
         prompt_ids = self.prompt_ids(request, chat)
+        self.check_room(request, len(prompt_ids), chat)
         config = request.generation_config(len(prompt_ids), self.target.max_length)
         streams = await self.submit_choices(prompt_ids, config, request.n)
         ids = ResponseIds(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", created=int(time.time()),
@@ -162,6 +163,20 @@ class EngineReplica:
         if not all(0 <= i < vocab for i in request.prompt):
             raise ApiError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
         return request.prompt
+
+    def check_room(self, request: GenerationRequest, prompt_tokens: int, chat: bool) -> None:
+        """The prompt and the tokens asked for must fit the context: refused in the API's own terms (the
+        engine would refuse too, in its own)."""
+        context, room = self.target.max_length, self.target.max_length - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens but this model's context holds {context}",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        asked = request.requested_max_tokens()
+        if asked is not None and asked > room:
+            name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves room for {room} new tokens in this "
+                                f"model's context of {context}; {name} asks for {asked}: lower it to {room}",
+                           param=name, code="context_length_exceeded")
 
     def check_characters(self, characters: int, param: str) -> None:
         """Tokenising runs on the replica's event loop: text too long for the context whatever it

@@ -143,7 +143,11 @@ async def on_validation_error(request: Request, error: RequestValidationError) -
         return error_response(400, ErrorDetail(message=message, type="invalid_request_error", code="json_invalid"))
     where = [str(part) for part in first["loc"] if part != "body" and not UNION_TAG.match(str(part))]
     param = ".".join(where) or None
-    reason = "not supported by this server" if first["type"] == "extra_forbidden" else first["msg"]
+    reason = first["msg"]
+    if first["type"] == "extra_forbidden":
+        reason = "not supported by this server"
+    elif first["type"] == "value_error" and "error" in first.get("ctx", {}):  # our own check's words, unprefixed
+        reason = str(first["ctx"]["error"])
     message = f"{param}: {reason}" if param else reason
     return error_response(400, ErrorDetail(message=message, type="invalid_request_error", param=param,
                                            code=first["type"]))
