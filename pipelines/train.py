@@ -96,9 +96,15 @@ def run(cfg: PipelineConfig) -> dict:
     check_survey(found, cfg)
 
     outcome: dict = {"drafter": drafter, "epoch_tokens": found.tokens}
+    changed = state.changed(cfg) if state is not None else ""
     if state is not None and state.step >= cfg.steps:
-        print(f"[train] run '{cfg.run_name}' is already trained to step {state.step}: nothing to train", flush=True)
+        print(f"[train] run '{cfg.run_name}' is already trained to step {state.step}: nothing to train"
+              + (f" (its checkpoint was written with other settings: {changed}; a new run_name trains with these)"
+                 if changed else ""), flush=True)
     else:
+        if state is not None:
+            print(f"[train] resuming run '{cfg.run_name}' from its checkpoint at step {state.step}"
+                  + (f"; changed since: {changed}" if changed else ""), flush=True)
         rows, count = training_rows(tokenized, found.held_out, cfg), found.trainable
         if cfg.regenerate:
             start = time.perf_counter()

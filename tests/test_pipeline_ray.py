@@ -178,8 +178,9 @@ def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
     run_dir, storage = submitted["run_dir"], submitted["storage"]
     before = {p: p.stat().st_mtime for p in files_under(run_dir)}
     # the same run again: already trained, nothing is redone
-    assert "metrics" not in run(config(inputs, storage, regenerate=True))
-    assert "already trained to step 12" in capfd.readouterr().out
+    assert "metrics" not in run(config(inputs, storage, regenerate=True, lr=1e-3))
+    out = capfd.readouterr().out
+    assert "already trained to step 12" in out and "lr 0.003 -> 0.001" in out  # a setting it did not train with
     # another drafter under the same name is refused before any work, and so is bad data
     with pytest.raises(DominoError, match=r"trained another drafter \(block_size 4 -> 6\)"):
         run(config(inputs, storage, block_size=6))

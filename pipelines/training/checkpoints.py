@@ -39,7 +39,8 @@ def step_dir_name(step: int) -> str:
 
 
 @contextlib.contextmanager
-def saved(engine, drafter: Drafter, step: int, rank: int, world_size: int) -> Iterator[ray.train.Checkpoint]:
+def saved(engine, drafter: Drafter, step: int, rank: int, world_size: int,
+          cfg: PipelineConfig) -> Iterator[ray.train.Checkpoint]:
     """Write this rank's part of the checkpoint for `step` into a temporary folder, removed once the
     `with` block (which reports it) ends: the only copy that stays is the one in storage."""
     with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX) as folder:
@@ -47,7 +48,7 @@ def saved(engine, drafter: Drafter, step: int, rank: int, world_size: int) -> It
         if rank == 0:
             drafter.save_pretrained(Path(folder) / DRAFTER_DIR)
             state = {"step": step, "optimizer_steps": engine.global_steps, "world_size": world_size,
-                     "drafter": asdict(drafter.config)}
+                     "drafter": asdict(drafter.config), "config": cfg.model_dump()}
             (Path(folder) / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
         yield ray.train.Checkpoint.from_directory(folder)
 
@@ -70,6 +71,13 @@ class RunState:
     step: int
     world_size: int
     drafter: DrafterConfig
+    config: dict  # the run's PipelineConfig when the checkpoint was written (empty in older checkpoints)
+
+    def changed(self, cfg: PipelineConfig) -> str:
+        """The keys this run now sets otherwise than when its checkpoint was written ('' when none)."""
+        now = cfg.model_dump()
+        keys = [k for k in now if k in self.config and k != "steps" and self.config[k] != now[k]]
+        return ", ".join(f"{k} {self.config[k]} -> {now[k]}" for k in keys)
 
     @property
     def drafter_uri(self) -> str:
@@ -89,7 +97,7 @@ def latest(cfg: PipelineConfig) -> RunState | None:
                 with filesystem.open_input_stream(state_path) as f:
                     state = json.loads(f.read())
                 return RunState(uri=f"{run_uri}/{name}", step=state["step"], world_size=state["world_size"],
-                                drafter=DrafterConfig(**state["drafter"]))
+                                drafter=DrafterConfig(**state["drafter"]), config=state.get("config", {}))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise DominoError(f"cannot read the checkpoints of run '{cfg.run_name}' in {cfg.storage_uri}: "
                           f"{str(error).splitlines()[0]}") from None

@@ -246,7 +246,7 @@ def train_worker(config: dict) -> None:
     def on_log(done: int, summary: dict) -> None:
         metrics = progress(done, summary)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            with checkpoints.saved(engine, drafter, done, rank, world) as checkpoint:
+            with checkpoints.saved(engine, drafter, done, rank, world, cfg) as checkpoint:
                 ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoints.step_dir_name(done))
 
     train(engine, feed, tc, step=step, start_step=start_step, log_every=cfg.log_every, on_log=on_log, progress=False)
