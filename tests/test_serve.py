@@ -233,6 +233,8 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (COMPLETIONS, dict(prompt="Hello", logprobs=6), 400, "logprobs", "less than or equal to 5"),
     (COMPLETIONS, dict(prompt="Hello", seed=1 << 64), 400, "seed", "less than or equal to"),
     (COMPLETIONS, dict(prompt=[3, -1]), 400, "prompt.1", "greater than or equal to 0"),
+    (COMPLETIONS, dict(prompt=["Hello", "Hi"]), 400, "prompt", "several prompts in one request are not supported"),
+    (COMPLETIONS, b"", 400, None, "the request has no body"),
     (COMPLETIONS, dict(prompt="word " * CONTEXT), 400, "prompt", "but this model's context holds 2048"),
     (CHAT, dict(messages=[{"role": "user", "content": "word " * CONTEXT}]), 400, "messages", "context holds 2048"),
     (COMPLETIONS, dict(prompt=""), 400, "prompt", "at least 1 character"),

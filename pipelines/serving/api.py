@@ -143,6 +143,9 @@ async def on_validation_error(request: Request, error: RequestValidationError) -
         return error_response(400, ErrorDetail(message=message, type="invalid_request_error", code="json_invalid"))
     where = [str(part) for part in first["loc"] if part != "body" and not UNION_TAG.match(str(part))]
     param = ".".join(where) or None
+    if first["type"] == "missing" and param is None:
+        message = "the request has no body: send a JSON object"
+        return error_response(400, ErrorDetail(message=message, type="invalid_request_error", code="missing"))
     reason = first["msg"]
     if first["type"] == "extra_forbidden":
         reason = "not supported by this server"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from domino.decoding import GenerationConfig, GenerationResult
 from domino.requests import GenerationStats, TokenLogprob
@@ -143,6 +143,14 @@ class CompletionRequest(GenerationRequest):
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """OpenAI also takes a list of prompts (or of token lists), one choice each: named, not misread."""
+        if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError("several prompts in one request are not supported: send one prompt per request")
+        return prompt
 
 
 class TextPart(BaseModel):
