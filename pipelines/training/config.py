@@ -85,7 +85,7 @@ class PipelineConfig(BaseModel):
     steps: int = Field(320, ge=1, description="optimiser steps in total")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (cosine schedule)")
     warmup_fraction: float = Field(0.04, ge=0, lt=1, description="fraction of steps warming up the learning rate")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, ge=0, description="gradient norm clipping (0: off)")
     seed: int = Field(0, description="seeds the drafter's initial weights, the anchors drawn and the replay order")
     anchors_per_sequence: int = Field(64, ge=1, description="blocks drawn from each sequence per step")
