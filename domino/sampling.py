@@ -7,7 +7,7 @@ is drawn by inverting its distribution's CDF at one of them. So no process-wide 
 every round draws fresh numbers (no two rounds of a request start at one position), which
 speculative sampling's exactness needs; and a request's tokens depend on its own seed and history
 alone, not on which requests share its batch, wherever its verify lengths do not either (plain, full
-and threshold verification; the confidence scheduler weighs the whole batch). Speculative sampling
+and threshold verification; the gate of `gated` and the confidence scheduler weigh the whole batch). Speculative sampling
 commits the drafter's accepted proposals, so plain and speculative decoding give one seed different
 tokens, from the same distribution.
 """

@@ -15,7 +15,7 @@ from domino.errors import DominoError
 COMMANDS = {
     "run": ("side_by_side", "run", "decoding methods side by side on prompt sets: tokens/s, tau, lossless"),
     "ablation": ("side_by_side", "ablation", "train Domino's head ablation with the pipeline, then run its drafters"),
-    "engine": ("engine", "main", "the decoding loop alone: plain, oracle drafts, our engine against a textbook loop"),
+    "engine": ("engine", "main", "the decoding loop alone at batch 1: plain, oracle drafts and drafter checkpoints"),
     "batching": ("batching", "main", "continuous batching of concurrent requests against one at a time"),
     "load": ("load", "main", "concurrent OpenAI clients against live Serve endpoints: latency and errors"),
     "pipeline": ("pipeline", "main", "the training pipeline's throughput and memory (no feature cache)"),

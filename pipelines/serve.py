@@ -13,7 +13,7 @@ dies mid-stream still gets an error event, and a client that disconnects has its
     serve deploy cluster/serve.yaml                                  # a running cluster, autoscaling
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events, `n` choices as rows of the batch, and logprobs), GET /v1/models, GET /health. A request
+events, `n` choices as rows of the batch, and logprobs), GET /v1/models, GET /v1/models/{model}, GET /health. A request
 whose row fails on the engine gets a 500 with the reason; the requests beside it go on.
 """
 
