@@ -216,6 +216,8 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (COMPLETIONS, dict(prompt="Hello", temperature=2.5), 400, "temperature", "less than or equal to 2"),
     (COMPLETIONS, dict(prompt="Hello", temperature=-1), 400, "temperature", "greater than or equal to 0"),
     (COMPLETIONS, dict(prompt="Hello", top_p=0), 400, "top_p", "greater than 0"),
+    (COMPLETIONS, b'{"prompt": "Hello", "temperature": NaN}', 400, "temperature", "finite number"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "top_p": Infinity}', 400, "top_p", "finite number"),
     (COMPLETIONS, dict(prompt="Hello", n=17), 400, "n", "less than or equal to 16"),
     (CHAT, dict(messages=HELLO, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
      "tools: not supported by this server"),

@@ -75,7 +75,8 @@ class GenerationRequest(BaseModel):
 
     # fields that mean something only with a flag on: refused without it (and the schema says so)
     NEEDS_FLAG: ClassVar[dict[str, str]] = {"stream_options": "stream"}
-    model_config = ConfigDict(extra="forbid", json_schema_extra=lambda schema, cls: schema.update(
+    # allow_inf_nan: Python's JSON reader takes NaN and Infinity, which no sampling parameter means
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=lambda schema, cls: schema.update(
         allOf=[given_only_with(field, flag) for field, flag in cls.NEEDS_FLAG.items()]))
 
     model: str | None = Field(None, description="must name the served model when given")
