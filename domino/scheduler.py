@@ -122,41 +122,57 @@ class ThresholdVerify(VerifyPolicy):
 
 
 @dataclass
+class GateRecord:
+    """What drafting has returned at one batch-size class: the mean and mean square of the plain rounds
+    a drafted round lost (negative: won), over about the last `memory` drafted rounds."""
+
+    mean: float
+    square: float
+    rounds: int = 0  # drafted rounds seen
+    sure_losses: int = 0  # drafted rounds in a row after which the loss was sure
+    skip: int = 0  # plain rounds still to run
+
+
+@dataclass
 class SpeculationGate:
     """Drafting costs time before its worth is known: with many requests in a batch, a round of plain
     decoding can commit more tokens per second than a round of draft + verify. A drafted round loses
     when it commits fewer tokens per second than plain rounds would have (the SPS profile's estimate,
     corrected by what the target's forwards really measured). One round says little: a drafter whose
-    first draft passes 40 % of the time loses most rounds and still wins on average. So the gate keeps
-    `balance`, the rounds lost per drafted round, averaged over about the last `memory` of them
-    (starting from even: a drafter is given a few rounds before it is judged). While the balance shows a
-    loss, the gate decodes plainly for long enough that a drafted round's expected loss stays under
-    `explore` of the time until the next try, a stretch that grows `growth`-fold with each drafted round
-    lost in a row (up to `max_backoff` rounds). A drafter near break-even, which wins now and then, is
-    thus retried soon, a hopeless one rarely. Whether drafting pays depends on how many requests share
-    the round, so all this is kept per batch-size class (1, 2-3, 4-7, ...): losing at 32 requests does
-    not stop drafting at 1. Rounds of copies alone (domino.lookup) are not shown to it: they run no
-    drafter, and the engine runs them whatever the gate says. The gate looks only at finished rounds, so
-    it never changes the output."""
+    first draft passes 40 % of the time loses most rounds and still wins on average. So the gate judges
+    the mean of the rounds lost per drafted round, over about the last `memory` of them, starting from
+    `prior` rounds at break-even that spread by `prior_spread` plain rounds (a drafter is given a few
+    rounds before it is judged). While the mean shows a loss, the gate decodes plainly for long enough
+    that a drafted round's expected loss stays under `explore` of the time until the next try. Once the
+    loss is also sure (the mean more than `sure` standard errors above break-even), that stretch grows
+    `growth`-fold with each drafted round that leaves it sure, up to `max_backoff` rounds. A hopeless
+    drafter is thus retried rarely, while one near break-even, or a winner after an unlucky start (four
+    losses in a row are common for a drafter that loses 60 % of its rounds), is retried soon: growing the
+    stretch with every loss in a row instead shut such winners out for thousands of rounds. Whether
+    drafting pays depends on how many requests share the round, so all this is kept per batch-size class
+    (1, 2-3, 4-7, ...): losing at 32 requests does not stop drafting at 1. Rounds of copies alone
+    (domino.lookup) are not shown to it: they run no drafter, and the engine runs them whatever the gate
+    says. The gate looks only at finished rounds, so it never changes the output."""
 
     sps: SPSProfile
     explore: float = 0.05
     growth: int = 4
     max_backoff: int = 1024
     memory: int = 32
+    prior: int = 4
+    prior_spread: float = 1.0
+    sure: float = 2.0
     calibration: float = 1.0  # measured / profiled speed of the target's forwards
-    balance: dict[int, float] = field(default_factory=dict)  # batch-size class -> mean rounds lost per drafted round
-    losses: dict[int, int] = field(default_factory=dict)  # batch-size class -> drafted rounds lost in a row
-    skip: dict[int, int] = field(default_factory=dict)  # batch-size class -> plain rounds still to run
+    records: dict[int, GateRecord] = field(default_factory=dict)  # by batch-size class
 
     @staticmethod
     def size_class(rows: int) -> int:
         return rows.bit_length()
 
     def wants_draft(self, rows: int) -> bool:
-        size = self.size_class(rows)
-        if self.skip.get(size, 0):
-            self.skip[size] -= 1
+        record = self.records.get(self.size_class(rows))
+        if record is not None and record.skip:
+            record.skip -= 1
             return False
         return True
 
@@ -168,15 +184,16 @@ class SpeculationGate:
         if not drafted:
             return
         plain_seconds = 1.0 / (self.calibration * self.sps(rows))  # a plain round commits one token per row
-        size = self.size_class(rows)
-        lost_rounds = seconds / plain_seconds - committed / rows  # > 0: plain rounds would have been faster
-        balance = self.balance.get(size, 0.0)
-        balance += (lost_rounds - balance) / self.memory
-        self.balance[size] = balance
-        # rounds lost in a row while the balance shows a loss (a win, or a balance at a gain, ends the run)
-        self.losses[size] = self.losses.get(size, 0) + 1 if lost_rounds > 0 and balance > 0 else 0
-        stretch = balance / self.explore * self.growth ** max(self.losses[size] - 1, 0)
-        self.skip[size] = min(math.ceil(stretch), self.max_backoff) if balance > 0 else 0
+        lost = seconds / plain_seconds - committed / rows  # > 0: plain rounds would have been faster
+        record = self.records.setdefault(self.size_class(rows), GateRecord(0.0, self.prior_spread ** 2))
+        record.rounds += 1
+        weight = min(record.rounds + self.prior, self.memory)
+        record.mean += (lost - record.mean) / weight
+        record.square += (lost ** 2 - record.square) / weight
+        error = math.sqrt(max(record.square - record.mean ** 2, 0.0) / weight)
+        record.sure_losses = record.sure_losses + 1 if record.mean > self.sure * error else 0
+        stretch = record.mean / self.explore * self.growth ** max(record.sure_losses - 1, 0)
+        record.skip = min(math.ceil(stretch), self.max_backoff) if record.mean > 0 else 0
 
 
 @dataclass
