@@ -3,6 +3,7 @@
 import itertools
 import math
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -368,40 +369,38 @@ def test_gate_judges_drafting_by_its_average_and_backs_off_while_it_loses():
     assert gate.calibration == pytest.approx(0.75)
 
 
-def test_gate_stays_open_through_a_losing_streak_of_a_drafter_that_wins_on_average():
-    """A drafter whose first draft passes a third of the time, at 1.2 plain rounds a drafted round: it loses
-    two rounds of three and gains 0.3 tokens a round on average. Judged round by round it would be shut
-    out for most of a request; judged by its average it drafts every round."""
+def gate_run(outcomes: Iterator[int], cost: float, rounds: int = 1000) -> tuple[float, float]:
+    """A gate at one request per round, over `rounds` rounds of a drafter whose drafted rounds commit the
+    next of `outcomes` tokens each, at `cost` plain rounds a drafted round: the share of rounds drafted,
+    and the plain rounds lost per round (negative: gained)."""
     from domino.scheduler import SpeculationGate
 
     gate = SpeculationGate(LINEAR)
     step = LINEAR.seconds_at(1)
-    rounds = drafted_rounds = 0
-    for outcome in [3, 1, 1] * 40:  # tokens committed by each drafted round
-        rounds += 1
-        if gate.wants_draft(1):
-            drafted_rounds += 1
-            gate.observe(True, 1, outcome, 1.2 * step, verify_tokens=9, verify_seconds=LINEAR.seconds_at(9))
-    assert drafted_rounds == rounds
-
-
-def gate_run(seed: int, passes: float, cost: float, rounds: int = 1000) -> tuple[float, float]:
-    """A gate at one request per round, over `rounds` rounds of a drafter whose drafts each pass with
-    chance `passes` (a block of 8) at `cost` plain rounds a drafted round: the share of rounds drafted,
-    and the plain rounds lost per round (negative: gained)."""
-    from domino.scheduler import SpeculationGate
-
-    rng, gate = random.Random(seed), SpeculationGate(LINEAR)
-    step = LINEAR.seconds_at(1)
     drafted = lost = 0.0
     for _ in range(rounds):
         if gate.wants_draft(1):
-            committed = 1
-            while committed < 9 and rng.random() < passes:
-                committed += 1
+            committed = next(outcomes)
             gate.observe(True, 1, committed, cost * step, verify_tokens=1, verify_seconds=step)
             drafted, lost = drafted + 1, lost + cost - committed
     return drafted / rounds, lost / rounds
+
+
+def block_outcomes(seed: int, passes: float) -> Iterator[int]:
+    """Tokens committed by drafted rounds whose drafts each pass with chance `passes` (a block of 8)."""
+    rng = random.Random(seed)
+    while True:
+        committed = 1
+        while committed < 9 and rng.random() < passes:
+            committed += 1
+        yield committed
+
+
+def test_gate_stays_open_through_a_losing_streak_of_a_drafter_that_wins_on_average():
+    """A drafter whose first draft passes a third of the time, at 1.2 plain rounds a drafted round: it loses
+    two rounds of three and gains 0.3 tokens a round on average. Judged round by round it would be shut
+    out for most of a request; judged by its average it drafts every round."""
+    assert gate_run(itertools.cycle([3, 1, 1]), cost=1.2, rounds=120)[0] == 1.0
 
 
 def test_gate_keeps_drafting_a_winner_whatever_its_first_rounds():
@@ -409,7 +408,7 @@ def test_gate_keeps_drafting_a_winner_whatever_its_first_rounds():
     come early in many runs. A gate that grew its back-off with every loss in a row drafted in under half the
     rounds in 7 of these 20 runs (0.006 at worst, 0.64 on average); this one grows it only while the loss is
     sure."""
-    shares = [gate_run(seed, passes=0.4, cost=1.4)[0] for seed in range(20)]
+    shares = [gate_run(block_outcomes(seed, passes=0.4), cost=1.4)[0] for seed in range(20)]
     assert min(shares) > 0.8, shares
 
 
@@ -418,7 +417,7 @@ def test_gate_bounds_what_a_losing_drafter_costs(passes, cost, most):
     """A drafter slightly worse than plain decoding costs at most 5 % of the rounds (the gate's `explore`); a
     hopeless one (no draft ever passes, 2.4 rounds a drafted round) far less, as its sure loss stretches the
     back-off."""
-    assert max(gate_run(seed, passes, cost)[1] for seed in range(20)) <= most
+    assert max(gate_run(block_outcomes(seed, passes), cost)[1] for seed in range(20)) <= most
 
 
 @pytest.mark.parametrize("gated, lookup", [(ConfidenceScheduler, 0), (GatedFullVerify, 0), (ConfidenceScheduler, 1)])
