@@ -3,21 +3,34 @@ trainer, handing it DeepSpeed's engine and step instead of the plain AdamW ones 
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 from domino.errors import DominoError
 from domino.objective import ObjectiveConfig, ObjectiveOutput, curriculum_lambda, expected_accept_length
 
 
+# A time budget's first fit times steps [start + BUDGET_WARMUP, start + BUDGET_WARMUP + BUDGET_PROBE): the
+# first steps wait for the data stream to start and are not typical.
+BUDGET_WARMUP, BUDGET_PROBE = 5, 20
+
+
 @dataclass
 class TrainConfig:
+    """`steps` is the run's length; with `minutes` set it is the most the run may take, and `train` sets
+    it in place, once its first steps are timed and again at every log step, to the steps that fit the
+    budget at the mean pace so far: the learning-rate schedule and the curriculum read it, so they span
+    the steps the run keeps."""
+
     steps: int = 1000
+    minutes: float | None = None  # wall-time budget of the steps (data waits included); None: all `steps`
     lr: float = 6e-4
     warmup_fraction: float = 0.04
     weight_decay: float = 0.0
@@ -29,15 +42,48 @@ class TrainConfig:
             self.objective = ObjectiveConfig(**self.objective)
         if self.steps < 1:
             raise DominoError(f"steps must be at least 1, got {self.steps}")
+        if self.minutes is not None and self.minutes <= 0:
+            raise DominoError(f"minutes must be positive, got {self.minutes}")
         if self.lr <= 0:
             raise DominoError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.warmup_fraction < 1:
             raise DominoError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
 
 
-def cosine_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig):
-    """The learning rate: linear warm-up over `warmup_fraction` of the steps, then cosine to 0."""
-    return get_cosine_schedule_with_warmup(optimizer, int(config.warmup_fraction * config.steps), config.steps)
+def cosine_schedule(optimizer: torch.optim.Optimizer, config: TrainConfig) -> LambdaLR:
+    """The learning rate: linear warm-up over `warmup_fraction` of the steps, then cosine to 0. It reads
+    `config.steps` at every step, so a time budget that shortens the run shortens the schedule with it."""
+
+    def factor(step: int) -> float:
+        warmup = int(config.warmup_fraction * config.steps)
+        if step < warmup:
+            return step / warmup
+        progress = min(1.0, (step - warmup) / max(1, config.steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+class TimeBudget:
+    """Keeps `config.steps` at the steps that fit `config.minutes` from the moment it is made, at the mean
+    pace since step start + BUDGET_WARMUP: fitted once BUDGET_PROBE steps are timed and again at every log
+    step (the pace changes once the batches buffered during start-up run out), never past the run's
+    original `steps` and at least one step on (whose log line and checkpoint close the run)."""
+
+    def __init__(self, config: TrainConfig, start_step: int, log_every: int, agree: Callable[[int], int]):
+        self.config, self.log_every, self.agree = config, log_every, agree
+        self.most, self.began, self.probe_began = config.steps, time.perf_counter(), 0.0
+        self.probe_start = start_step + BUDGET_WARMUP
+        self.probe_end = self.probe_start + BUDGET_PROBE
+
+    def before_step(self, i: int) -> None:
+        if i == self.probe_start:
+            self.probe_began = time.perf_counter()
+        if i == self.probe_end or (i > self.probe_end and i % self.log_every == 0):
+            now = time.perf_counter()
+            pace = (now - self.probe_began) / (i - self.probe_start)
+            left = self.config.minutes * 60 - (now - self.began)
+            self.config.steps = self.agree(max(i + 1, min(self.most, i + int(left / pace))))
 
 
 class AdamWStep:
@@ -96,16 +142,23 @@ def format_summary(summary: dict) -> str:
 
 def train(objective: nn.Module, batches: Iterator[dict[str, torch.Tensor]], config: TrainConfig,
           step: Callable[[torch.Tensor], None] | None = None, start_step: int = 0, log_every: int = 10,
-          on_log: Callable[[int, dict], None] | None = None, progress: bool = True) -> dict:
+          on_log: Callable[[int, dict], None] | None = None, progress: bool = True,
+          agree: Callable[[int], int] = lambda steps: steps) -> dict:
     """Run `config.steps - start_step` optimiser steps of `objective` (a DraftingObjective, or DeepSpeed's
-    engine around one) on `batches`; return the metrics of the last logging window."""
+    engine around one) on `batches`; return the metrics of the last logging window. With `config.minutes`,
+    the steps are timed and `config.steps` fitted to the budget; `agree` turns this process's count into
+    the one every data-parallel worker uses (their minimum), since all must stop together."""
     step = step or AdamWStep(objective.parameters(), config)
     window = MetricsWindow()
     summary: dict = {}
     objective.train()
-    bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps,
-               disable=not progress, desc="train", dynamic_ncols=True)
-    for i in bar:
+    bar = tqdm(initial=start_step, total=config.steps, disable=not progress, desc="train", dynamic_ncols=True)
+    budget = TimeBudget(config, start_step, log_every, agree) if config.minutes is not None else None
+    i = start_step
+    while i < config.steps:
+        if budget is not None:
+            budget.before_step(i)
+            bar.total = config.steps
         try:
             batch = next(batches)
         except StopIteration:
@@ -119,4 +172,7 @@ def train(objective: nn.Module, batches: Iterator[dict[str, torch.Tensor]], conf
             if on_log is not None:
                 on_log(i + 1, summary)
             window.reset()
+        i += 1
+        bar.update()
+    bar.close()
     return summary

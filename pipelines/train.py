@@ -97,7 +97,7 @@ def run(cfg: PipelineConfig) -> dict:
 
     outcome: dict = {"drafter": drafter, "epoch_tokens": found.tokens}
     changed = state.changed(cfg) if state is not None else ""
-    if state is not None and state.step >= cfg.steps:
+    if state is not None and state.finished(cfg):
         print(f"[train] run '{cfg.run_name}' is already trained to step {state.step}: nothing to train"
               + (f" (its checkpoint was written with other settings: {changed}; a new run_name trains with these)"
                  if changed else ""), flush=True)

@@ -1,9 +1,13 @@
+import time
+
 import pytest
 import torch
+from transformers import get_cosine_schedule_with_warmup
 
 from domino.errors import DominoError
 from domino.objective import DraftingObjective, ObjectiveConfig
-from domino.training import MetricsWindow, TrainConfig, train
+from domino.training import (BUDGET_PROBE, BUDGET_WARMUP, AdamWStep, MetricsWindow, TrainConfig, cosine_schedule,
+                             train)
 from helpers import greedy_continuations, tiny_drafter, tiny_target, training_batches
 
 
@@ -71,3 +75,66 @@ def test_training_stops_cleanly_when_data_runs_out():
     two_batches = iter([next(training_batches(target, drafter, data, 2, seed=0)) for _ in range(2)])
     with pytest.raises(DominoError, match="data ran out after 2 of 5 steps"):
         train(objective, two_batches, TrainConfig(steps=5), progress=False)
+
+
+@pytest.mark.parametrize("steps, warmup_fraction", [(100, 0.04), (37, 0.1), (10, 0.0)])
+def test_cosine_schedule_is_transformers_warmup_cosine(steps, warmup_fraction):
+    """Our schedule (which reads the run's length live, for time budgets) gives transformers' warm-up +
+    cosine learning rate at every step."""
+    config = TrainConfig(steps=steps, warmup_fraction=warmup_fraction, lr=1.0)
+    ours, theirs = (torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0) for _ in range(2))
+    ours_schedule = cosine_schedule(ours, config)
+    theirs_schedule = get_cosine_schedule_with_warmup(theirs, int(warmup_fraction * steps), steps)
+    for _ in range(steps):
+        assert ours_schedule.get_last_lr() == pytest.approx(theirs_schedule.get_last_lr(), abs=1e-12)
+        ours.step(), theirs.step(), ours_schedule.step(), theirs_schedule.step()
+
+
+class SlowBatches:
+    """Batches that take `seconds` each to arrive, as a feature stream does, but the first `buffered`
+    at once (as those produced while the trainer started); counts what it handed out."""
+
+    def __init__(self, batches, seconds: float, buffered: int = 0):
+        self.batches, self.seconds, self.buffered, self.handed = batches, seconds, buffered, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.handed >= self.buffered:
+            time.sleep(self.seconds)
+        self.handed += 1
+        return next(self.batches)
+
+
+@pytest.mark.parametrize("buffered", [0, 40])
+def test_a_time_budget_ends_the_run_when_it_runs_out_with_the_schedule_at_zero(buffered):
+    """With `minutes`, the run times its steps and keeps only those that fit: it asks for no batch past
+    them, reports its last step, ends within the budget, and its learning rate reaches 0 there. When the
+    first batches come at once and the rest slowly, the first fit is too long and the refits shorten it."""
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=2))
+    data = greedy_continuations(target, 8, seed=0, new_tokens=8)
+    batches = SlowBatches(training_batches(target, drafter, data, 2, seed=0), seconds=0.05, buffered=buffered)
+    config = TrainConfig(steps=100_000, minutes=3 / 60)
+    step, logged, began = AdamWStep(objective.parameters(), config), [], time.perf_counter()
+    train(objective, batches, config, step=step, log_every=10, on_log=lambda done, _: logged.append(done),
+          progress=False)
+    took = time.perf_counter() - began
+    assert BUDGET_WARMUP + BUDGET_PROBE < config.steps < 60 + buffered, config.steps  # 3 s of steps of 50 ms and more
+    assert batches.handed == config.steps and logged[-1] == config.steps
+    assert took < 3 * 1.5, took
+    assert step.schedule.get_last_lr() == [0.0]
+
+
+def test_a_time_budget_is_what_every_worker_agrees_on():
+    """The count the workers agree on (their minimum) is the run's length, not this worker's own."""
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    objective = DraftingObjective(drafter, ObjectiveConfig(anchors_per_sequence=2))
+    batches = training_batches(target, drafter, greedy_continuations(target, 8, seed=0, new_tokens=8), 2, seed=0)
+    config, offered = TrainConfig(steps=1000, minutes=60), []
+    agreed = BUDGET_WARMUP + BUDGET_PROBE + 3
+    train(objective, batches, config, progress=False, agree=lambda steps: offered.append(steps) or agreed)
+    assert offered == [1000] and config.steps == agreed  # an hour holds all of this worker's steps

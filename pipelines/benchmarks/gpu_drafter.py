@@ -11,8 +11,8 @@ prompts) and the last `--skip-tail` (the benchmarks' ShareGPT prompts come from 
 draft vocabulary, and resolves the pipeline's drafter and training config (key=value as for
 pipelines/train.py). `train` imports only domino, torch and numpy: each step runs the target on a
 batch for its features and greedy labels (the pipeline's `labels: target`), then one step of the
-library's objective and loop. It times a few probe steps first and sets the step count, and with it
-the cosine schedule, to fill `--minutes`; it saves the drafter at a quarter, half and all of the steps.
+library's objective and loop under the loop's time budget: the steps, and with them the cosine schedule,
+fill `--minutes`. It saves the drafter at a quarter, half and all of the steps.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.objective import DraftingObjective
 from domino.target import DEFAULT_TARGET, Target, resolve_target
-from domino.training import AdamWStep, TrainConfig, train
+from domino.training import TrainConfig, train
 from pipelines.benchmarks import HelpFormatter
 
 DATA, CONFIG = "data.npz", "config.json"
+MOST_STEPS = 10 ** 7  # the run's length is set by --minutes alone
 
 
 def prepare(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -123,20 +124,6 @@ def build(settings: dict, train_config: TrainConfig, target: Target, seed: int) 
     return drafter, objective.to(target.device)
 
 
-def seconds_per_step(settings: dict, train_config: TrainConfig, target: Target, batches: Batches,
-                     probe_steps: int = 12) -> float:
-    """A throwaway drafter's steps (the first few, with allocation and warm-up, not counted)."""
-    _, objective = build(settings, train_config, target, seed=settings["seed"] + 1)
-    step = AdamWStep(objective.parameters(), train_config)
-    for i in range(probe_steps):
-        if i == probe_steps // 3:
-            target.synchronize()
-            start = time.perf_counter()
-        step(objective(next(batches), 1.0).loss)
-    target.synchronize()
-    return (time.perf_counter() - start) / (probe_steps - probe_steps // 3)
-
-
 def train_on_gpu(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise DominoError("no CUDA GPU here: `train` is the half that runs on one (--device cpu only to try it)")
@@ -147,28 +134,26 @@ def train_on_gpu(args: argparse.Namespace) -> None:
     target = Target.load(resolve_target(args.target), device=args.device)
     batches = Batches(args.data, target, DrafterConfig(**settings["drafter"]), settings["batch_size"],
                       settings["feature_dtype"], settings["seed"])
-    prepared = TrainConfig(**settings["train"])
-    per_step = seconds_per_step(settings, prepared, target, batches)
     left = args.minutes * 60 - (time.perf_counter() - begin)
-    steps = max(1, int(left / per_step))
-    train_config = replace(prepared, steps=steps)  # the cosine schedule spans the steps that fit
+    # as many steps as fit the minutes left (the budget times them); the cosine schedule spans those
+    train_config = replace(TrainConfig(**settings["train"]), steps=MOST_STEPS, minutes=left / 60)
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"# {where}: {len(batches.ids)} sequences, {settings['batch_size']} a step, "
-          f"{per_step * 1000:.0f} ms a step -> {steps} steps in the {left / 60:.1f} minutes left", flush=True)
+          f"{left / 60:.1f} minutes left for the steps", flush=True)
     drafter, objective = build(settings, train_config, target, settings["seed"])
-    saves = [steps // 4, steps // 2, steps]  # each at the first progress line that reaches it
+    saves = [4, 2, 1]  # the drafter at a quarter, half and all of the (fitted) steps
 
     def on_log(done: int, summary: dict) -> None:
+        steps = train_config.steps
         accuracy = " ".join(f"{a:.2f}" for a in summary["accuracy"][:4])
         print(f"step {done}/{steps}  pass {batches.passes}  {(time.perf_counter() - begin) / 60:.1f} min  "
               f"loss {summary['loss']:.3f}  training tau~{summary['tau']:.2f}  acc {accuracy}", flush=True)
-        if saves and done >= saves[0]:
+        if saves and done >= steps // saves[0]:
             drafter.save_pretrained(args.out / f"step_{done:06d}")
-            while saves and done >= saves[0]:
+            while saves and done >= steps // saves[0]:
                 saves.pop(0)
 
-    train(objective, batches, train_config, log_every=max(1, steps // 40), on_log=on_log,
-          progress=False)
+    train(objective, batches, train_config, log_every=args.log_every, on_log=on_log, progress=False)
     print(f"# done in {(time.perf_counter() - begin) / 60:.1f} minutes; drafters in {args.out}", flush=True)
 
 
@@ -182,6 +167,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--skip-tail", type=int, default=500, help="prepare: conversations left out at the end")
     parser.add_argument("--conversations", type=int, default=0, help="prepare: at most this many (0: all)")
     parser.add_argument("--minutes", type=float, default=6.0, help="train: wall time, loading included")
+    parser.add_argument("--log-every", type=int, default=100, help="train: steps between progress lines (the budget is refitted at each)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="train: the target `prepare` tokenised for")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="train: cpu only to try the script")
     args, overrides = parser.parse_known_args(argv)

@@ -4,8 +4,8 @@
         deepspeed/...        every rank's DeepSpeed state (model, ZeRO-2 optimizer shards, LR schedule)
         latest               DeepSpeed's pointer to the tag above
         drafter/             config.json + model.safetensors: Drafter.from_pretrained(path, target)
-        state.json           step, DeepSpeed's own step count, world size and drafter config (checked
-                             before a run resumes)
+        state.json           step, the run's length (`steps`, or what fitted its `minutes`), DeepSpeed's
+                             own step count, world size and drafter config (checked before a run resumes)
 
 Ray Train merges the files every rank reports into one folder per step; rerunning with the same run
 name hands the newest one back through `ray.train.get_checkpoint()`.
@@ -39,36 +39,40 @@ def step_dir_name(step: int) -> str:
 
 
 @contextlib.contextmanager
-def saved(engine, drafter: Drafter, step: int, rank: int, world_size: int,
+def saved(engine, drafter: Drafter, step: int, planned_steps: int, rank: int, world_size: int,
           cfg: PipelineConfig) -> Iterator[ray.train.Checkpoint]:
-    """Write this rank's part of the checkpoint for `step` into a temporary folder, removed once the
-    `with` block (which reports it) ends: the only copy that stays is the one in storage."""
+    """Write this rank's part of the checkpoint for `step` of a run of `planned_steps` into a temporary
+    folder, removed once the `with` block (which reports it) ends: the only copy that stays is the one in
+    storage."""
     with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX) as folder:
-        engine.save_checkpoint(folder, tag=DEEPSPEED_TAG, client_state={"step": step})
+        engine.save_checkpoint(folder, tag=DEEPSPEED_TAG, client_state={"step": step, "planned_steps": planned_steps})
         if rank == 0:
             drafter.save_pretrained(Path(folder) / DRAFTER_DIR)
-            state = {"step": step, "optimizer_steps": engine.global_steps, "world_size": world_size,
+            state = {"step": step, "planned_steps": planned_steps, "optimizer_steps": engine.global_steps,
+                     "world_size": world_size,
                      "drafter": asdict(drafter.config), "config": cfg.model_dump()}
             (Path(folder) / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
         yield ray.train.Checkpoint.from_directory(folder)
 
 
-def restore(engine) -> int:
-    """Load the newest checkpoint of this run into the engine, if there is one; return its step."""
+def restore(engine) -> tuple[int, int | None]:
+    """Load the newest checkpoint of this run into the engine, if there is one; return its step and the
+    run's length it was written in (None without a checkpoint)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 0
+        return 0, None
     with checkpoint.as_directory() as folder:
         path, client_state = engine.load_checkpoint(folder, tag=DEEPSPEED_TAG)
     if path is None:
         raise DominoError(f"checkpoint {checkpoint.path} has no DeepSpeed state under '{DEEPSPEED_TAG}/'")
-    return int(client_state["step"])
+    return int(client_state["step"]), client_state.get("planned_steps")
 
 
 @dataclass
 class RunState:
     uri: str  # the newest checkpoint folder
     step: int
+    planned_steps: int | None  # the run's length when it was written: `steps`, or what fitted `minutes`
     world_size: int
     drafter: DrafterConfig
     config: dict  # the run's PipelineConfig when the checkpoint was written (empty in older checkpoints)
@@ -78,6 +82,11 @@ class RunState:
         now = cfg.model_dump()
         keys = [k for k in now if k in self.config and k != "steps" and self.config[k] != now[k]]
         return ", ".join(f"{k} {self.config[k]} -> {now[k]}" for k in keys)
+
+    def finished(self, cfg: PipelineConfig) -> bool:
+        """Whether the run has trained all it will: `steps`, or with a time budget the steps that fitted it."""
+        fitted = self.planned_steps if cfg.minutes is not None and self.planned_steps is not None else cfg.steps
+        return self.step >= min(cfg.steps, fitted)
 
     @property
     def drafter_uri(self) -> str:
@@ -96,7 +105,8 @@ def latest(cfg: PipelineConfig) -> RunState | None:
             if filesystem.get_file_info(state_path).type == fs.FileType.File:
                 with filesystem.open_input_stream(state_path) as f:
                     state = json.loads(f.read())
-                return RunState(uri=f"{run_uri}/{name}", step=state["step"], world_size=state["world_size"],
+                return RunState(uri=f"{run_uri}/{name}", step=state["step"], planned_steps=state.get("planned_steps"),
+                                world_size=state["world_size"],
                                 drafter=DrafterConfig(**state["drafter"]), config=state.get("config", {}))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise DominoError(f"cannot read the checkpoints of run '{cfg.run_name}' in {cfg.storage_uri}: "

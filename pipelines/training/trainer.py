@@ -27,7 +27,7 @@ from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.objective import DraftingObjective, ObjectiveConfig, expected_accept_length
 from domino.target import Target, training_dtype
-from domino.training import TrainConfig, cosine_schedule, train
+from domino.training import BUDGET_PROBE, BUDGET_WARMUP, TrainConfig, cosine_schedule, train
 from pipelines.training import checkpoints
 from pipelines.training.config import PipelineConfig
 from pipelines.training.features import from_numpy, torch_threads
@@ -42,7 +42,7 @@ def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
 
 
 def train_config(cfg: PipelineConfig, device: torch.device) -> TrainConfig:
-    return TrainConfig(steps=cfg.steps, lr=cfg.lr, warmup_fraction=cfg.warmup_fraction, weight_decay=cfg.weight_decay,
+    return TrainConfig(steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr, warmup_fraction=cfg.warmup_fraction, weight_decay=cfg.weight_decay,
                        grad_clip=cfg.grad_clip, objective=ObjectiveConfig(
                            anchors_per_sequence=cfg.anchors_per_sequence, decay=cfg.decay,
                            curriculum_fraction=cfg.curriculum_fraction, distill=cfg.distill,
@@ -138,11 +138,12 @@ class Progress:
     """Gathers every worker's counters at each log step; rank 0 prints the progress line. Returns the
     metrics reported with checkpoints: windowed and whole-run tokens/s and data-wait fractions."""
 
-    def __init__(self, cfg: PipelineConfig, feed: Feed, device: torch.device):
-        self.cfg, self.feed, self.device = cfg, feed, device
+    def __init__(self, feed: Feed, device: torch.device):
+        self.feed, self.device = feed, device
         self.last = {"tokens": 0.0, "target_s": 0.0, "wait": 0.0, "time": None}
 
-    def __call__(self, step: int, summary: dict) -> dict:
+    def __call__(self, step: int, steps: int, summary: dict) -> dict:
+        """The metrics at `step` of a run of `steps`."""
         feed, last, now = self.feed, self.last, time.perf_counter()
         window_start = last["time"] or feed.started
         mine = {"loss": summary["loss"], "tokens": feed.tokens - last["tokens"],
@@ -173,7 +174,7 @@ class Progress:
             "first_batch_s": round(feed.started - feed.created, 2),
         }
         if dist.get_rank() == 0:
-            print(format_progress(metrics, self.cfg.steps), flush=True)
+            print(format_progress(metrics, steps), flush=True)
         return metrics
 
 
@@ -224,7 +225,9 @@ def train_worker(config: dict) -> None:
         model=objective, model_parameters=[p for p in objective.parameters() if p.requires_grad],
         config=config["deepspeed"],
         lr_scheduler=lambda optimizer: cosine_schedule(optimizer, tc))
-    start_step = checkpoints.restore(engine)
+    start_step, planned_steps = checkpoints.restore(engine)
+    if cfg.minutes is not None and planned_steps is not None and start_step >= BUDGET_WARMUP + BUDGET_PROBE:
+        tc.steps, tc.minutes = min(tc.steps, planned_steps), None  # the budget was fitted before the checkpoint
     if rank == 0:
         print(f"[train] {world} worker(s), {sum(p.numel() for p in objective.parameters())/1e6:.2f} M drafter parameters, "
               f"computing in {tc.objective.compute_dtype}, "
@@ -241,15 +244,22 @@ def train_worker(config: dict) -> None:
             os._exit(1)
 
     feed = Feed(ray.train.get_dataset_shard("train"), cfg, device, seed=cfg.seed + rank)
-    progress = Progress(cfg, feed, device)
+    progress = Progress(feed, device)
 
     def on_log(done: int, summary: dict) -> None:
-        metrics = progress(done, summary)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            with checkpoints.saved(engine, drafter, done, rank, world, cfg) as checkpoint:
+        metrics = progress(done, tc.steps, summary)
+        if done % cfg.checkpoint_every == 0 or done == tc.steps:
+            with checkpoints.saved(engine, drafter, done, tc.steps, rank, world, cfg) as checkpoint:
                 ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoints.step_dir_name(done))
 
-    train(engine, feed, tc, step=step, start_step=start_step, log_every=cfg.log_every, on_log=on_log, progress=False)
+    def fewest(steps: int) -> int:
+        """The step count every worker can finish within the time budget."""
+        count = torch.tensor([steps], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        return int(count)
+
+    train(engine, feed, tc, step=step, start_step=start_step, log_every=cfg.log_every, on_log=on_log, progress=False,
+          agree=fewest)
 
 
 def fit(cfg: PipelineConfig, dataset: ray.data.Dataset, target_path: str,
