@@ -49,8 +49,7 @@ def saved(engine, drafter: Drafter, step: int, planned_steps: int, rank: int, wo
         if rank == 0:
             drafter.save_pretrained(Path(folder) / DRAFTER_DIR)
             state = {"step": step, "planned_steps": planned_steps, "optimizer_steps": engine.global_steps,
-                     "world_size": world_size,
-                     "drafter": asdict(drafter.config), "config": cfg.model_dump()}
+                     "world_size": world_size, "drafter": asdict(drafter.config), "config": cfg.model_dump()}
             (Path(folder) / STATE_NAME).write_text(json.dumps(state, indent=2) + "\n")
         yield ray.train.Checkpoint.from_directory(folder)
 

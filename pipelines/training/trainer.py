@@ -42,8 +42,8 @@ def drafter_config(cfg: PipelineConfig, target: Target) -> DrafterConfig:
 
 
 def train_config(cfg: PipelineConfig, device: torch.device) -> TrainConfig:
-    return TrainConfig(steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr, warmup_fraction=cfg.warmup_fraction, weight_decay=cfg.weight_decay,
-                       grad_clip=cfg.grad_clip, objective=ObjectiveConfig(
+    return TrainConfig(steps=cfg.steps, minutes=cfg.minutes, lr=cfg.lr, warmup_fraction=cfg.warmup_fraction,
+                       weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, objective=ObjectiveConfig(
                            anchors_per_sequence=cfg.anchors_per_sequence, decay=cfg.decay,
                            curriculum_fraction=cfg.curriculum_fraction, distill=cfg.distill,
                            confidence_weight=cfg.confidence_weight,
