@@ -196,14 +196,14 @@ def test_a_time_budget_stops_both_workers_together_and_the_run_stays_finished(cl
     """With `minutes`, two ZeRO-2 workers time their first steps, agree on how many fit, and stop
     there together: the last checkpoint is that step, it records the count, and a rerun trains no more."""
     storage = tmp_path / "runs"
-    outcome = run(config(inputs, storage, steps=200, minutes=0.5, checkpoint_every=100, log_every=10))
+    outcome = run(config(inputs, storage, steps=200, minutes=0.25, checkpoint_every=100, log_every=10))
     out = capfd.readouterr().out
     fitted = outcome["checkpoint"].step
     assert BUDGET_WARMUP + BUDGET_PROBE < fitted < 200 and outcome["checkpoint"].planned_steps == fitted
     assert f"[train] step {fitted}/{fitted} " in out and "/200 " in out  # the length changed once the steps were timed
     state = json.loads((storage / "tiny" / f"step_{fitted:06d}" / "state.json").read_text())
     assert state["step"] == state["optimizer_steps"] == state["planned_steps"] == fitted
-    assert "metrics" not in run(config(inputs, storage, steps=200, minutes=0.5, checkpoint_every=100, log_every=10))
+    assert "metrics" not in run(config(inputs, storage, steps=200, minutes=0.25, checkpoint_every=100, log_every=10))
     assert f"already trained to step {fitted}" in capfd.readouterr().out
 
 
