@@ -27,7 +27,7 @@ from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.objective import DraftingObjective, ObjectiveConfig, expected_accept_length
 from domino.target import Target, training_dtype
-from domino.training import BUDGET_PROBE, BUDGET_WARMUP, TrainConfig, cosine_schedule, train
+from domino.training import TrainConfig, cosine_schedule, train
 from pipelines.training import checkpoints
 from pipelines.training.config import PipelineConfig
 from pipelines.training.features import from_numpy, torch_threads
@@ -226,8 +226,8 @@ def train_worker(config: dict) -> None:
         config=config["deepspeed"],
         lr_scheduler=lambda optimizer: cosine_schedule(optimizer, tc))
     start_step, planned_steps = checkpoints.restore(engine)
-    if cfg.minutes is not None and planned_steps is not None and start_step >= BUDGET_WARMUP + BUDGET_PROBE:
-        tc.steps, tc.minutes = min(tc.steps, planned_steps), None  # the budget was fitted before the checkpoint
+    if cfg.minutes is not None and planned_steps is not None and planned_steps < tc.steps:
+        tc.steps, tc.minutes = planned_steps, None  # the budget was fitted before the checkpoint: finish that plan
     if rank == 0:
         print(f"[train] {world} worker(s), {sum(p.numel() for p in objective.parameters())/1e6:.2f} M drafter parameters, "
               f"computing in {tc.objective.compute_dtype}, "
