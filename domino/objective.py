@@ -209,19 +209,20 @@ class DraftingObjective(nn.Module):
         loss, ce, tv = drafting_loss(final)
         if drafter.head is not None and curriculum_lambda > 0:
             loss = (1 - curriculum_lambda) * loss + curriculum_lambda * drafting_loss(base)[0]
+        hits = (final.detach().argmax(-1) == target_labels).float()  # the drafter's greedy choice is the label
         metrics = {"ce": ce.detach()}
         if tv is not None:
             metrics["tv"] = weighted_mean(tv).detach()
         if drafter.confidence is not None:
             # an estimator of survival, not a drafting signal: its loss trains the confidence head only
-            survival = (1 - tv).detach() if tv is not None else (final.argmax(-1) == target_labels).float()
+            survival = (1 - tv).detach() if tv is not None else hits
             confidence_logits = drafter.confidence(h[trained].detach(), prev_embeds[trained].detach())
             bce = F.binary_cross_entropy_with_logits(confidence_logits, survival)
             loss = loss + cfg.confidence_weight * bce
             metrics["bce"] = bce.detach()
 
         correct = torch.zeros(trained.shape, device=device)
-        correct[trained] = (final.argmax(-1) == target_labels).float()
+        correct[trained] = hits
         metrics["correct"] = correct.sum(0).detach()
         metrics["count"] = trained.float().sum(0)
         metrics["loss"] = loss.detach()

@@ -135,12 +135,12 @@ BUDGETED = dict(steps=200, minutes=0.1)
 @pytest.fixture(scope="module")
 def submitted(cluster, inputs, tmp_path_factory):
     """The main job through `ray job submit`: regenerated answers -> features on an actor pool -> 2 ZeRO-2
-    workers over gloo; the last worker dies at step 6, the group restarts from the step-4 checkpoint, and
+    workers over gloo; the last worker dies at step 14, the group restarts from the step-12 checkpoint, and
     the resumed workers time their steps against the budget afresh and stop together when it is spent.
     It computes in bfloat16 on any machine (auto picks it only on GPUs and CPUs with AMX)."""
     storage = tmp_path_factory.mktemp("storage")
-    values = settings(inputs, storage, regenerate=True, fail_at_step=6, eval_prompts=2, eval_max_new_tokens=8,
-                      compute_dtype="bfloat16", **BUDGETED)
+    values = settings(inputs, storage, regenerate=True, fail_at_step=14, checkpoint_every=12, eval_prompts=2,
+                      eval_max_new_tokens=8, compute_dtype="bfloat16", **BUDGETED)
     command = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", cluster["dashboard"],
                "--working-dir", str(REPO), "--", "python", "pipelines/train.py", *(f"{k}={v}" for k, v in values.items())]
     done = subprocess.run(command, env=cluster["env"], capture_output=True, text=True, timeout=900)
@@ -155,20 +155,20 @@ def test_job_trains_two_zero2_workers_through_a_killed_worker(submitted, inputs)
     logs, fitted = submitted["logs"], submitted["fitted"]
     assert submitted["rc"] == 0 and "succeeded" in logs, logs[-3000:]
     assert "[regenerate] 38 answers by the target (" in logs  # 2 prompts held out for the evaluation
-    assert "fault injection: worker 1 dies at step 6" in logs
-    assert "2 worker(s)" in logs and "computing in bfloat16" in logs and "resuming at step 4" in logs
-    # the resumed run timed 20 steps from its 9th (4 + 5 of warm-up) before it fitted the budget
-    assert 4 + BUDGET_WARMUP + BUDGET_PROBE < fitted < BUDGETED["steps"]
+    assert "fault injection: worker 1 dies at step 14" in logs
+    assert "2 worker(s)" in logs and "computing in bfloat16" in logs and "resuming at step 12" in logs
+    # the resumed run timed 20 steps from its 17th (12 + 5 of warm-up) before it fitted the budget
+    assert 12 + BUDGET_WARMUP + BUDGET_PROBE < fitted < BUDGETED["steps"]
     assert "[train] step 2/200 " in logs and f"[train] step {fitted}/{fitted} " in logs and "data wait [" in logs
     # the closing evaluation: tau of the untrained and the exported drafter on the held-out prompts
     assert "| untrained | 2 |" in logs and f"| trained (step {fitted}) | 2 |" in logs
 
     run_dir = submitted["run_dir"]
-    kept = sorted(p.name for p in run_dir.iterdir() if p.is_dir())  # keep 2: the last multiple of 4 and the end
-    assert kept == [f"step_{(fitted - 1) // 4 * 4:06d}", f"step_{fitted:06d}"]
+    kept = sorted(p.name for p in run_dir.iterdir() if p.is_dir())  # keep 2: the last multiple of 12 and the end
+    assert kept == [f"step_{(fitted - 1) // 12 * 12:06d}", f"step_{fitted:06d}"]
     last = run_dir / kept[-1]
     state = json.loads((last / "state.json").read_text())
-    # the DeepSpeed engine resumed its own step count too: 4 before the fault + the rest after it
+    # the DeepSpeed engine resumed its own step count too: 12 before the fault + the rest after it
     assert state["step"] == state["optimizer_steps"] == state["planned_steps"] == fitted and state["world_size"] == 2
     shards = {p.name for p in (last / "deepspeed").iterdir()}
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= shards
