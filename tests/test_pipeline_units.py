@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from domino.errors import DominoError
 from domino.embedded import cache_dir
+from pipelines.training import checkpoints
 from pipelines.training.config import PipelineConfig, parse_args
 from pipelines.training.data import (TOO_LONG, MalformedRow, embedded_sharegpt, list_files, survey, to_messages,
                                      tokenize_batch, tokenized_conversations)
@@ -208,3 +209,17 @@ def test_benchmark_report_counts_the_cache_it_avoided_and_what_was_written(tmp_p
     assert "| data wait per trainer (share of wall time after the first batch) | 5.0% |" in text
     assert "| offline cache for one epoch (1048576 tokens) | 1.13 GiB |" in text
     assert "| written by the run: checkpoints in storage_path | 1.0 MiB |" in text
+
+
+@pytest.mark.parametrize("minutes, planned, length", [
+    (80, 2910, 2910),  # the budget cut the plan before the checkpoint: finish it, whatever the clock says
+    (80, 6000, 6000),  # written before the cut (or the budget kept every step): all steps, still to be fitted
+    (80, None, 6000),  # a checkpoint older than the budget
+    (None, 2910, 6000),  # the budget taken away: all steps again
+])
+def test_a_resumed_run_finishes_the_plan_its_budget_cut(minutes, planned, length):
+    cfg = PipelineConfig(steps=6000, minutes=minutes)
+    assert checkpoints.steps_to_finish(cfg, planned) == length
+    state = checkpoints.RunState(uri="", step=length, planned_steps=planned, world_size=1,
+                                 drafter=None, config={})
+    assert state.finished(cfg) and not checkpoints.RunState(**{**vars(state), "step": length - 1}).finished(cfg)

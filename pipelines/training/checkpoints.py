@@ -67,6 +67,15 @@ def restore(engine) -> tuple[int, int | None]:
     return int(client_state["step"]), client_state.get("planned_steps")
 
 
+def steps_to_finish(cfg: PipelineConfig, planned_steps: int | None) -> int:
+    """The length of a run resumed from a checkpoint that planned `planned_steps`: once a time budget has
+    cut the steps, the run finishes that plan; before the cut (or with no budget) it has `steps`, which a
+    budget may still cut."""
+    if cfg.minutes is not None and planned_steps is not None and planned_steps < cfg.steps:
+        return planned_steps
+    return cfg.steps
+
+
 @dataclass
 class RunState:
     uri: str  # the newest checkpoint folder
@@ -84,8 +93,7 @@ class RunState:
 
     def finished(self, cfg: PipelineConfig) -> bool:
         """Whether the run has trained all it will: `steps`, or with a time budget the steps that fitted it."""
-        fitted = self.planned_steps if cfg.minutes is not None and self.planned_steps is not None else cfg.steps
-        return self.step >= min(cfg.steps, fitted)
+        return self.step >= steps_to_finish(cfg, self.planned_steps)
 
     @property
     def drafter_uri(self) -> str:
