@@ -128,7 +128,7 @@ def files_under(root: Path) -> list[Path]:
 
 
 # The submitted job's length: a ceiling of 200 steps and a budget that start-up alone exceeds, so the
-# resumed workers fit it at their first chance (their 25th step) to the fewest steps, one more.
+# resumed workers, fitting it at their 25th step, keep the least a fit keeps: one step more.
 BUDGETED = dict(steps=200, minutes=0.1)
 
 
