@@ -226,8 +226,9 @@ def train_worker(config: dict) -> None:
         config=config["deepspeed"],
         lr_scheduler=lambda optimizer: cosine_schedule(optimizer, tc))
     start_step, planned_steps = checkpoints.restore(engine)
-    if checkpoints.steps_to_finish(cfg, planned_steps) < tc.steps:  # a budget cut the steps: finish that plan
-        tc.steps, tc.minutes = planned_steps, None
+    tc.steps = checkpoints.steps_to_finish(cfg, planned_steps)
+    if tc.steps < cfg.steps:  # a time budget cut the steps before the checkpoint: finish that plan, unbudgeted
+        tc.minutes = None
     if rank == 0:
         print(f"[train] {world} worker(s), {sum(p.numel() for p in objective.parameters())/1e6:.2f} M drafter parameters, "
               f"computing in {tc.objective.compute_dtype}, "
