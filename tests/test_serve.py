@@ -211,6 +211,13 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (CHAT, dict(messages=[{"role": "wizard", "content": "Hi"}]), 400, "messages.0.role", "Input should be"),
     (COMPLETIONS, dict(prompt="Hello", max_tokens=0), 400, "max_tokens", "greater than 0"),
     (CHAT, dict(messages=HELLO, max_tokens=-3), 400, "max_tokens", "greater than 0"),
+    # types are strict, as JSON Schema's: no string or fraction for a count, no string for a flag
+    (COMPLETIONS, dict(prompt="Hello", max_tokens="5"), 400, "max_tokens", "valid integer"),
+    (COMPLETIONS, dict(prompt="Hello", n=1.5), 400, "n", "valid integer"),
+    (COMPLETIONS, dict(prompt=[9906, 1.5]), 400, "prompt.1", "valid integer"),
+    (CHAT, dict(messages=HELLO, stream="true"), 400, "stream", "valid boolean"),
+    (CHAT, dict(messages=HELLO, stream=True, stream_options={"include_usage": "yes"}), 400,
+     "stream_options.include_usage", "valid boolean"),
     (COMPLETIONS, dict(prompt="Hello", max_tokens=CONTEXT), 400, "max_tokens", "max_tokens asks for 2048: lower it"),
     (CHAT, dict(messages=HELLO, max_completion_tokens=CONTEXT), 400, "max_completion_tokens", "in this model's context"),
     (COMPLETIONS, dict(prompt="Hello", temperature=2.5), 400, "temperature", "less than or equal to 2"),
@@ -275,6 +282,14 @@ def test_null_options_mean_their_defaults(server):
     assert with_nulls.json()["choices"] == without.json()["choices"]
     chat = post(server, CHAT, messages=HELLO, max_tokens=2, logprobs=None, top_logprobs=None, stream_options=None)
     assert chat.status_code == 200, chat.text
+
+
+def test_integral_decimals_are_integers(server):
+    """JSON Schema counts 3.0 as an integer (the fuzzer sends such), so strict types still take them."""
+    as_decimals = post(server, COMPLETIONS, prompt=[9906.0, 11.0], max_tokens=3.0, n=1.0, temperature=0)
+    as_integers = post(server, COMPLETIONS, prompt=[9906, 11], max_tokens=3, n=1, temperature=0)
+    assert as_decimals.status_code == 200, as_decimals.text
+    assert as_decimals.json()["choices"] == as_integers.json()["choices"]
 
 
 def test_unknown_routes_get_an_error_body(server):

@@ -3,8 +3,10 @@
 
 Requests are validated here, at the boundary: anything a model refuses becomes a 400 with an
 OpenAI-style error body before it reaches the engine, and the published OpenAPI schema states the
-same limits. All or nothing: a request field this server does not honour (tools, penalties, ...)
-is refused with a 400 that names it, never silently ignored.
+same limits. Types are strict, as JSON Schema's are: "5" is not a token count and "true" is not a
+flag (pydantic would coerce both); 5.0 is an integer, as JSON Schema says. All or nothing: a request
+field this server does not honour (tools, penalties, ...) is refused with a 400 that names it, never
+silently ignored.
 
 Per-request statistics travel in one extension field, `metrics` (GenerationStats.as_dict(): vLLM's
 `speculative_decoding` counts, tau, rounds and the time split). A complete response carries them for
@@ -58,8 +60,21 @@ def utf8_encodable(text: str) -> str:
 Text = Annotated[str, AfterValidator(utf8_encodable)]
 
 
+def integral_decimals_as_ints(value: Any) -> Any:
+    """JSON Schema counts 5.0 as an integer (a list of them too, as token ids); strict types would not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [integral_decimals_as_ints(item) for item in value]
+    return value
+
+
+# every request model: unknown fields refused, no coercion between JSON types
+REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     include_usage: bool = Field(False, description="end the stream with a chunk holding usage (and no choices)")
 
@@ -76,7 +91,7 @@ class GenerationRequest(BaseModel):
     # fields that mean something only with a flag on: refused without it (and the schema says so)
     NEEDS_FLAG: ClassVar[dict[str, str]] = {"stream_options": "stream"}
     # allow_inf_nan: Python's JSON reader takes NaN and Infinity, which no sampling parameter means
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra=lambda schema, cls: schema.update(
+    model_config = ConfigDict(**REQUEST_CONFIG, allow_inf_nan=False, json_schema_extra=lambda schema, cls: schema.update(
         allOf=[given_only_with(field, flag) for field, flag in cls.NEEDS_FLAG.items()]))
 
     model: str | None = Field(None, description="must name the served model when given")
@@ -102,11 +117,13 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_the_default(cls, data: Any) -> Any:
-        """OpenAI's clients may send null for an option left unset: it means the default."""
+    def _as_json_schema_reads_it(cls, data: Any) -> Any:
+        """OpenAI's clients may send null for an option left unset: it means the default. And 5.0 is
+        an integer."""
         if isinstance(data, dict):
             fields = cls.model_fields
-            data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+            data = {k: integral_decimals_as_ints(v) for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].default is None}
         return data
 
     def generation_config(self, prompt_tokens: int, context: int) -> GenerationConfig:
@@ -155,14 +172,14 @@ class CompletionRequest(GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
