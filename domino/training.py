@@ -91,7 +91,9 @@ class AdamWStep:
 
     def __init__(self, parameters, config: TrainConfig):
         self.parameters = [p for p in parameters if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, weight_decay=config.weight_decay)
+        # fused: one pass over each tensor instead of about ten; on CPU a step of the long recipe's
+        # 7.5 M parameters takes 11 ms instead of 60 (docs/benchmarks.md, "AdamW, fused")
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.lr, weight_decay=config.weight_decay, fused=True)
         self.schedule = cosine_schedule(self.optimizer, config)
         self.grad_clip = config.grad_clip
 
