@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, Literal
 
+import click
 import torch
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -302,14 +303,24 @@ def application(args: ServeArgs, **engine_options) -> Application:
     return OpenAIServer.bind(EngineReplica.options(ray_actor_options=resources, **engine_options).bind(args))
 
 
+class BadApplication(DominoError, click.ClickException):
+    """Arguments the application cannot be built from. Serve's command line is a click program, which
+    prints a ClickException as one line ("Error: ...") instead of a traceback."""
+
+    def __init__(self, message: str):
+        click.ClickException.__init__(self, message)
+
+
 def build_app(args: dict[str, str]) -> Application:
     """Serve's application builder: `serve run pipelines.serve:build_app target=... drafter=...`."""
     try:
         return application(ServeArgs.model_validate(args))
     except ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-        raise DominoError(f"bad application arguments ({problems}); the arguments are "
-                          f"{', '.join(ServeArgs.model_fields)}") from None
+        raise BadApplication(f"bad application arguments ({problems}); the arguments are "
+                             f"{', '.join(ServeArgs.model_fields)}") from None
+    except DominoError as error:
+        raise BadApplication(str(error)) from None
 
 
 app = build_app({})

@@ -2,6 +2,8 @@
 and the application's arguments."""
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,15 @@ def test_the_builder_refuses_a_drafter_the_replicas_could_not_start_with(tmp_pat
         build_app({"drafter": str(tmp_path / "False"), "verify": "threshold"})
     build_app({"drafter": str(tmp_path / "True"), "verify": "confidence"})
     build_app({"drafter": str(tmp_path / "False"), "verify": "gated"})
+
+
+@pytest.mark.parametrize("argument, message", [
+    ("drafter=/no/such/drafter", "Error: no drafter checkpoint at /no/such/drafter"),
+    ("num_cpus=two", "Error: bad application arguments (num_cpus: Input should be a valid number"),
+])
+def test_serve_run_names_a_bad_argument_in_one_line(argument, message):
+    """Through Serve's own command line (the builder runs before it starts Ray): the reason, no traceback."""
+    done = subprocess.run([str(Path(sys.executable).parent / "serve"), "run", "pipelines.serve:build_app", argument],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert message in done.stderr and "Traceback" not in done.stderr + done.stdout, done.stderr
