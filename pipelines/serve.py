@@ -308,6 +308,7 @@ class BadApplication(DominoError, click.ClickException):
     prints a ClickException as one line ("Error: ...") instead of a traceback."""
 
     def __init__(self, message: str):
+        # ValueError's __init__ comes first in the method order; click's sets the message it prints
         click.ClickException.__init__(self, message)
 
 
