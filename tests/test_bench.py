@@ -188,6 +188,9 @@ def test_gpu_drafter_halves_make_drafters_the_pipeline_would(tmp_path, embedded_
         assert drafter.config.draft_vocab_size == 512 and drafter.config.head == "markov"
     assert bench.main(["gpu-drafter", "train", "--data", str(tmp_path), "--out", str(out), "--device", "cpu"]) == 2
     assert "holds no config.json and data.npz" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # a config key (prepare's) is named, not dropped
+        bench.main(["gpu-drafter", "train", "--data", str(data), "--out", str(out), "steps=10"])
+    assert stopped.value.code == 2 and "train takes no key=value or other arguments, got: steps=10" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert bench.main(["gpu-drafter", "train", "--data", str(data), "--out", str(out)]) == 2
         assert "error: no CUDA GPU here" in capsys.readouterr().err

@@ -43,6 +43,16 @@ def test_config_defaults_overrides_and_files(tmp_path):
     assert train_config(parse_args([]), torch.device("cuda")).objective.compute_dtype == "bfloat16"
 
 
+def test_help_prints_each_default_as_the_command_line_reads_it():
+    """`train.py --help` lists `key = default`; typed back as key=default, each gives the default itself
+    (a null default printed as Python's None would come back as the string 'None' and fail)."""
+    from pipelines.training.config import help_text
+
+    printed = dict(line.split("  # ")[0].strip().split(" = ", 1) for line in help_text().splitlines()[2:])
+    assert set(printed) == set(PipelineConfig.model_fields) and printed["minutes"] == "null"
+    assert parse_args([f"{key}={value}" for key, value in printed.items()]) == PipelineConfig()
+
+
 @pytest.mark.parametrize("args, message", [
     (["stepz=3"], "unknown config key 'stepz' (did you mean 'steps'?)"),
     (["steps=0"], "steps: Input should be greater than or equal to 1"),

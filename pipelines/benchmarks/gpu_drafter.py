@@ -173,6 +173,8 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     if args.mode == "prepare":
         prepare(args, overrides)
+    elif overrides:  # config keys are `prepare`'s: the data folder holds the config `train` runs
+        parser.error(f"train takes no key=value or other arguments, got: {' '.join(overrides)}")
     elif args.data is None:
         parser.error("train needs --data, the folder `prepare` wrote")
     else:

@@ -53,7 +53,7 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     # the ablation compares heads: copies from the text would hide them
     parser.add_argument("--lookup", type=int, default=0 if ablation else None, metavar="N",
                         help="override the drafters' context lookup: copy drafts after repeats of up to N tokens "
-                             "(0: the learned drafter alone; None: each checkpoint's own setting)")
+                             "(0: the learned drafter alone; left out: each checkpoint's own setting)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (seeded)")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: turn t of conversation c samples with seed + 100 c + t")
     parser.add_argument("--out", default="results/bench", help="output folder")
