@@ -214,7 +214,7 @@ def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
     (lambda d: write_bytes(d / "broken.parquet", b"not parquet at all"),
      "cannot read .*broken.parquet: .*Parquet magic bytes not found"),
     (lambda d: write_bytes(d / "latin1.jsonl", '{"messages": "caf\xe9"}\n'.encode("latin-1")),
-     r"cannot read .*latin1.jsonl: not UTF-8 text \(invalid continuation byte at byte 17\)"),
+     r"cannot read .*latin1.jsonl: .*latin1.jsonl is not UTF-8 text \(invalid continuation byte at byte 17\)"),
 ])
 def test_bad_data_stops_before_training(cluster, inputs, tmp_path, make_data, message):
     data = make_data(tmp_path)

@@ -129,7 +129,7 @@ def test_data_paths_are_checked(tmp_path):
         list_files(str(tmp_path / "missing.jsonl"))
     with pytest.raises(DominoError, match="no .jsonl, .json or .parquet files"):
         list_files(str(tmp_path))
-    with pytest.raises(DominoError, match="neither JSON Lines"):
+    with pytest.raises(DominoError, match="neither JSON"):
         list_files(str(write_jsonl(tmp_path / "rows.txt", [])))
     path = write_jsonl(tmp_path / "rows.jsonl", [conversation(0)])
     assert list_files(str(tmp_path)) == [str(path)]
@@ -189,6 +189,23 @@ def test_held_out_prompts_are_the_datas_first_however_its_blocks_finish(ray_clus
     found = survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
     assert [json.loads(p)[0]["content"] for p in found.held_out] == ["Slow question 0?", "Slow question 1?"]
     assert (found.rows, found.held_rows, found.trainable) == (96, 2, 94)
+
+
+def test_a_json_file_may_hold_one_array_of_conversations(ray_cluster, tmp_path, tokenizer_path):
+    """ShareGPT's own dumps are one JSON array, indented, in a `.json` file: its elements are the rows, in
+    their order, beside JSON Lines in the same folder; an array cut off is named in one line."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps([conversation(i, "sharegpt") for i in range(6)], indent=2))
+    write_jsonl(folder / "b.json", [conversation(i, "openai") for i in range(6, 10)])
+    cfg = PipelineConfig(data=str(folder), max_conversations=0, eval_prompts=2, max_length=64)
+    found = survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
+    first = [conversation(i, "sharegpt")["conversations"][0]["value"] for i in range(2)]
+    assert [json.loads(p)[0]["content"] for p in found.held_out] == first
+    assert (found.rows, found.held_rows, found.trainable, sum(found.malformed.values())) == (10, 2, 8, 0)
+    (folder / "a.json").write_text(json.dumps([conversation(0, "sharegpt")] * 3)[:-40])
+    with pytest.raises(DominoError, match=r"cannot read .*: .*a.json starts as a JSON array but is not one"):
+        survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
 
 
 def test_gpu_check_parses_its_arguments_into_a_valid_config(tmp_path):

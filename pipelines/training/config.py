@@ -33,7 +33,7 @@ class PipelineConfig(BaseModel):
     storage_path: str = Field("~/domino-runs", description="where checkpoints go: a local folder or s3://bucket/prefix")
 
     # -- data ---------------------------------------------------------------------------------------
-    data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded), or JSON Lines (.jsonl/.json, one conversation a line) or .parquet files: a file or folder, local or s3://")
+    data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded), or .jsonl/.json (JSON Lines, or one JSON array of conversations) or .parquet files: a file or folder, local or s3://")
     max_conversations: int = Field(1200, ge=0, description="read at most this many conversations (0: all)")
     max_length: int = Field(256, ge=16, description="tokens per training sequence (longer ones are cut)")
     max_malformed_fraction: float = Field(0.05, ge=0, le=1, description="malformed rows are skipped and counted; more than this fraction is fatal")

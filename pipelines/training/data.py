@@ -55,7 +55,7 @@ def list_files(data: str) -> list[str]:
         raise DominoError(f"no .jsonl, .json or .parquet files under {data}")
     for file in files:
         if file.suffix not in JSON_SUFFIXES + PARQUET_SUFFIXES:
-            raise DominoError(f"{file} is neither JSON Lines (.jsonl/.json) nor Parquet (.parquet)")
+            raise DominoError(f"{file} is neither JSON (.jsonl/.json) nor Parquet (.parquet)")
         if not os.access(file, os.R_OK):
             raise DominoError(f"cannot read {file}: permission denied")
     return [str(file.resolve()) for file in files]
@@ -125,6 +125,22 @@ def _embedded_sharegpt_rows(limit: int) -> list[str]:
     return rows
 
 
+def json_records(file: dict) -> list[dict[str, str]]:
+    """One JSON file's rows as JSON text, a `json_line` each: the lines of JSON Lines, or the elements of a
+    top-level array (how ShareGPT's own dumps and many datasets are published, as `.json`)."""
+    try:
+        text = file["bytes"].decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DominoError(f"{file['path']} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    if not text.lstrip().startswith("["):
+        return [{"json_line": line} for line in text.splitlines() if line.strip()]
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DominoError(f"{file['path']} starts as a JSON array but is not one ({error})") from None
+    return [{"json_line": json.dumps(row)} for row in rows]
+
+
 def read_conversations(cfg: PipelineConfig) -> ray.data.Dataset:
     """A dataset of raw rows: a `json_line` column for JSON sources, the file's own columns for Parquet."""
     if cfg.data == EMBEDDED_DATA:
@@ -138,8 +154,8 @@ def read_conversations(cfg: PipelineConfig) -> ray.data.Dataset:
             if parquet:
                 ds = ray.data.read_parquet(parquet, num_cpus=cfg.data_cpus)
             else:
-                ds = ray.data.read_text(files, num_cpus=cfg.data_cpus).rename_columns({"text": "json_line"},
-                                                                                      num_cpus=cfg.data_cpus)
+                ds = ray.data.read_binary_files(files, include_paths=True, num_cpus=cfg.data_cpus).flat_map(
+                    json_records, num_cpus=cfg.data_cpus)
         except (OSError, pa.ArrowException) as error:
             raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
     return ds.limit(cfg.max_conversations) if cfg.max_conversations else ds

@@ -16,16 +16,16 @@ def root_cause(error: BaseException) -> str:
     failures = getattr(error, "worker_failures", None)  # Ray Train: rank -> the error that worker raised
     if failures:
         error = next(iter(failures.values()))
-    while getattr(error, "cause", None) is not None and error.cause is not error:  # RayTaskError wrappers
-        error = error.cause
-    if isinstance(error, UnicodeDecodeError):
-        return f"not UTF-8 text ({error.reason} at byte {error.start})"
-    lines = [line.strip() for line in str(error).strip().splitlines()]
+    chain = [error]  # RayTaskError wrappers hold the error in `cause`
+    while getattr(chain[-1], "cause", None) is not None and chain[-1].cause is not chain[-1]:
+        chain.append(chain[-1].cause)
+    for level in reversed(chain):  # a wrapper's text may be all that keeps the worker's traceback (Ray Data's "UDF failed")
+        domino = [line for line in str(level).splitlines() if "DominoError:" in line]
+        if domino:
+            return domino[-1].split("DominoError:", 1)[1].strip()
+    lines = [line.strip() for line in str(chain[-1]).strip().splitlines()]
     lines = [line for line in lines if line and not line.startswith(RAY_ADVICE)]
-    domino = [line for line in lines if "DominoError:" in line]
-    if domino:
-        return domino[-1].split("DominoError:", 1)[1].strip()
-    return lines[-1] if lines else type(error).__name__
+    return lines[-1] if lines else type(chain[-1]).__name__
 
 
 def exit_status(command: Callable[[], object]) -> int:
