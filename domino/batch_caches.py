@@ -7,7 +7,8 @@ drafts and keep different numbers); slots a row did not keep become holes that a
 (slots that no row kept leave at once).
 `compact` squeezes the holes out once they pile up, and rows join and leave between rounds. The
 drafter's cache may lag behind, holding features it has not projected yet (ContextCache.stage); it
-catches up before it drafts and before any change of slot layout.
+catches up before it drafts and before any change of slot layout, except that rows whose drafter
+caches are all staged features (none drafted yet) join as features.
 Positions are passed explicitly, so a row's slot index never has to equal its token position.
 """
 
@@ -79,19 +80,27 @@ class BatchCaches:
             self.context.keep_rows(rows)
         self._map(lambda t: t[rows], self.valid[rows])
 
-    def append_rows(self, other: "BatchCaches") -> None:
-        """Add the rows of `other` (requests joining the batch), padding the shorter side with holes."""
-        self.catch_up()
-        other.catch_up()
-        slots = max(self.valid.shape[1], other.valid.shape[1])
+    def append_rows(self, others: list["BatchCaches"]) -> None:
+        """Add the rows of `others` (requests joining the batch), padding the shorter ones with holes: one
+        copy of the batch for all of them. Drafter caches that hold only staged features (nothing drafted
+        yet, as in a batch too large for drafts to pay) join as features, still unprojected."""
+        parts = [self, *others]
+        staged_only = self.context is not None and all(part.context.all_staged for part in parts)
+        if not staged_only:
+            for part in parts:
+                part.catch_up()
+        slots = max(part.valid.shape[1] for part in parts)
 
         def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
             missing = slots - t.shape[dim]
             return t if not missing else F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, missing))
 
-        mine, theirs = self._tensors(), other._tensors()
-        valid = torch.cat([pad(self.valid, 1), pad(other.valid, 1)])
-        self._replace([torch.cat([pad(a, 2), pad(b, 2)]) for a, b in zip(mine, theirs)], valid)
+        valid = torch.cat([pad(part.valid, 1) for part in parts])
+        tensors = zip(*(part._tensors() for part in parts))
+        if staged_only:  # padded slots are holes: valid masks them wherever they are projected
+            staged = zip(*(part.context.staged_block() for part in parts))
+            self.context.staged = [tuple(torch.cat([pad(t, 1) for t in same]) for same in staged)]
+        self._replace([torch.cat([pad(t, 2) for t in same]) for same in tensors], valid)
 
     def compact(self, slack: float = 2.0) -> None:
         """Squeeze out the holes once the cache holds `slack` times more slots than its longest row

@@ -109,8 +109,9 @@ class ContextCache:
     (BatchCaches.valid, handed to `Drafter.draft`).
 
     Features can also be `stage`d: kept as they are and turned into keys and values only by
-    `catch_up`, which every draft runs first. Rounds that decode plainly (the speculation gate shut)
-    then cost the drafter one list append instead of a projection and a copy of the whole cache."""
+    `catch_up`, which every draft runs first. Prompts and rounds that decode plainly (the speculation
+    gate shut, or a batch too large for any draft to pay) then cost the drafter one list append instead
+    of a projection and a copy of the whole cache."""
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
@@ -140,9 +141,18 @@ class ContextCache:
     def catch_up(self) -> None:
         """Project the staged features (with `project`, the drafter's `context_kv`) into the cache."""
         if self.staged:
-            features, positions = (torch.cat(parts, dim=1) for parts in zip(*self.staged))
+            features, positions = self.staged_block()
             self.staged = []
             self.append(self.project(features, positions))
+
+    @property
+    def all_staged(self) -> bool:
+        """Whether no slot is projected yet: the cache is its staged features alone."""
+        return not self.keys
+
+    def staged_block(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged features (n, t, n_layers * D) and positions (n, t) as one block."""
+        return tuple(torch.cat(parts, dim=1) for parts in zip(*self.staged))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` of the staged features (the caller indexes keys, values and valid)."""

@@ -121,20 +121,29 @@ class DecodingEngine:
         return bool(self.pending or self.ids)
 
     def step(self) -> list[Event]:
-        events = []
+        events, joining = [], []
         while self.pending and (self.max_rows is None or len(self.ids) < self.max_rows):
             # each leaves the queue before its prefill, whatever becomes of it
             request_id = next(iter(self.pending))
-            events.append(self._admit(request_id, self.pending.pop(request_id)))
+            event, caches = self._admit(request_id, self.pending.pop(request_id))
+            events.append(event)
+            if caches is not None:
+                joining.append(caches)
+        if joining:  # the batch's caches are copied once for all the rows that join
+            if self.caches is None:
+                self.caches = joining.pop(0)
+            if joining:
+                self.caches.append_rows(joining)
         if self.ids:
             events += self._round()
         return events
 
     # -- prefill ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def _admit(self, request_id: str, state: RequestState) -> Event:
-        """Prefill one request and join it to the batch. A prefill that raises (out of memory on a long
-        prompt, say) fails this request alone: nothing of it has joined the batch yet."""
+    def _admit(self, request_id: str, state: RequestState) -> tuple[Event, BatchCaches | None]:
+        """Prefill one request and give it a batch row (its ids, state and anchor); its caches, returned,
+        are the row's, for the caller to join to the batch (None when it finished at once). A prefill that
+        raises (out of memory on a long prompt, say) fails this request alone: nothing of it has joined."""
         state.started = time.perf_counter()
         try:
             if self.drafter == "oracle":  # outside the request's clock: it stands for a perfect drafter
@@ -145,18 +154,15 @@ class DecodingEngine:
             state.fail(f"the prefill failed ({type(error).__name__})")
             first = None
         tokens, text = state.commit([first], logprobs) if first is not None else ([], "")
+        joining = None
         if not state.finished:
             joining = BatchCaches(cache, context, torch.ones(1, len(state.prompt), dtype=torch.bool,
                                                              device=self.target.device))
-            if self.caches is None:
-                self.caches = joining
-            else:
-                self.caches.append_rows(joining)
             self.ids.append(request_id)
             self.states[request_id] = state
             self.anchors.append(int(first))
         state.stats.total_s = time.perf_counter() - state.started
-        return event(request_id, state, tokens, text)
+        return event(request_id, state, tokens, text), joining
 
     def _prefill(self, state: RequestState) -> tuple[DynamicCache, ContextCache | None, int | None, list | None]:
         """The prompt through the target (and its features into the drafter's context): the target's
@@ -170,13 +176,10 @@ class DecodingEngine:
         state.stats.prefill_s = time.perf_counter() - start
 
         context = None
-        if isinstance(self.drafter, Drafter):
-            begin = time.perf_counter()
+        if isinstance(self.drafter, Drafter):  # projected when first drafted: a large batch may never draft
             context = ContextCache(project=self.drafter.context_kv)
-            self.drafter.extend_context(context, out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
+            context.stage(out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
             state.history = self.drafter.new_history(state.prompt)
-            target.synchronize()
-            state.stats.draft_s += time.perf_counter() - begin
         return cache, context, first, logprobs
 
     def _first_token(self, state: RequestState, logits: torch.Tensor) -> tuple[int | None, list[TokenLogprob] | None]:

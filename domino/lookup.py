@@ -22,29 +22,35 @@ NEXT_COPY_CONFIDENCE = 0.75
 
 class TokenHistory:
     """A request's tokens so far (prompt and output), indexed by where each n-gram (n <= max_n) ended last
-    and the time before, so that a lookup costs max_n dictionary reads whatever the text's length."""
+    and the time before, so that a lookup costs max_n dictionary reads whatever the text's length. The
+    index catches up at the next lookup, not at each commit: in a large batch that decodes plainly, most
+    rows are never looked up, and their text is then never indexed."""
 
     def __init__(self, max_n: int, tokens=(), min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}
         self.before_last: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # tokens[:indexed] are in the index
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
-        for token in tokens:
-            self.tokens.append(int(token))
-            end = len(self.tokens) - 1
+        self.tokens.extend(int(token) for token in tokens)
+
+    def _index(self) -> None:
+        for end in range(self.indexed, len(self.tokens)):
             for n in range(1, min(self.max_n, end + 1) + 1):
-                key = tuple(self.tokens[end - n + 1:])
+                key = tuple(self.tokens[end - n + 1:end + 1])
                 if key in self.last:
                     self.before_last[key] = self.last[key]
                 self.last[key] = end
+        self.indexed = len(self.tokens)
 
     def source(self, drafted: list[int]) -> tuple[int, int] | None:
         """Where in tokens + drafted the copy of the next token is, and the length of the match it follows:
         just after the latest occurrence in the committed tokens, before the suffix itself, of the
         longest suffix (min_n <= n <= max_n) of tokens + drafted that has one; None without one."""
+        self._index()
         end = len(self.tokens) + len(drafted) - 1
         tail = (self.tokens[-self.max_n:] + drafted)[-self.max_n:]
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):

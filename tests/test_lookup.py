@@ -24,8 +24,10 @@ def scanned_source(tokens: list[int], drafted: list[int], max_n: int, min_n: int
        drafted=st.lists(st.integers(0, 4), max_size=6), max_n=st.integers(1, 4), min_n=st.integers(1, 4))
 def test_indexed_lookup_equals_a_scan_of_the_text(tokens, drafted, max_n, min_n):
     history = TokenHistory(max_n, min_n=min_n)
-    for i in range(0, len(tokens), 7):  # grown in pieces, as commits grow it
+    for i in range(0, len(tokens), 7):  # grown in pieces, as commits grow it, looked up after some of them
         history.extend(tokens[i:i + 7])
+        if i % 14:
+            assert history.source(drafted) == scanned_source(tokens[:i + 7], drafted, max_n, min_n)
     assert history.source(drafted) == scanned_source(tokens, drafted, max_n, min_n)
 
 
