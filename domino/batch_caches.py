@@ -7,8 +7,9 @@ drafts and keep different numbers); slots a row did not keep become holes that a
 (slots that no row kept leave at once).
 `compact` squeezes the holes out once they pile up, and rows join and leave between rounds. The
 drafter's cache may lag behind, holding features it has not projected yet (ContextCache.stage); it
-catches up before it drafts and before any change of slot layout, except that rows whose drafter
-caches are all staged features (none drafted yet) join as features.
+catches up before it drafts and before any change of slot layout, except where it is all staged
+features (the batch has not drafted yet): then the features join and compact as they are, so a batch
+that never drafts (too large for any draft to pay) never projects them.
 Positions are passed explicitly, so a row's slot index never has to equal its token position.
 """
 
@@ -109,8 +110,12 @@ class BatchCaches:
         longest = int(counts.max())
         if self.valid.shape[1] <= slack * longest + 16:
             return
-        self.catch_up()
+        staged_only = self.context is not None and self.context.all_staged
+        if not staged_only:
+            self.catch_up()
         order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :longest]
+        if staged_only:  # the drafter's features move with their slots, still unprojected
+            self.context.gather_staged(order)
         index = order[:, None, :, None]
         valid = torch.arange(longest, device=counts.device) < counts[:, None]
         self._map(lambda t: t.gather(2, index.expand(-1, t.shape[1], -1, t.shape[3])), valid)

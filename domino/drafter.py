@@ -154,6 +154,12 @@ class ContextCache:
         """The staged features (n, t, n_layers * D) and positions (n, t) as one block."""
         return tuple(torch.cat(parts, dim=1) for parts in zip(*self.staged))
 
+    def gather_staged(self, order: torch.Tensor) -> None:
+        """Keep, per row, the staged slots `order` (n, t) in that order (a cache that is all staged, being
+        compacted: the caller moves the other caches' slots alike)."""
+        features, positions = self.staged_block()
+        self.staged = [(features.gather(1, order[..., None].expand(-1, -1, features.shape[-1])), positions.gather(1, order))]
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` of the staged features (the caller indexes keys, values and valid)."""
         self.staged = [(features[rows], positions[rows]) for features, positions in self.staged]

@@ -111,6 +111,48 @@ def test_engine_drafts_equal_drafts_from_scratch(lookup_ngram, first_draft):
     assert len(accepted_lengths) >= 4  # rounds accepted many different numbers of drafts
 
 
+def test_a_batch_that_has_not_drafted_never_projects_its_drafter_cache():
+    """Rows join, one retires and the holes it leaves are compacted, all before any round drafts: the
+    drafter's cache is still features alone (a batch too large for drafts to pay never pays for the
+    drafter's context), and once drafting starts, the drafts are those computed from scratch."""
+    target = bigram_target()
+    drafter = mostly_right_drafter(target)
+    first_draft = 16
+    engine = RecordingEngine(target, drafter, policy=EveryThirdRoundPlain(first_draft))
+    short, medium, late = random_prompts(3, seed=7)
+    long = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    requests = {"long": (long, GenerationConfig(max_new_tokens=6, stop_token_ids=[])),  # retires early
+                "short": (short, GenerationConfig(max_new_tokens=40, stop_token_ids=[])),
+                "medium": (medium, GenerationConfig(max_new_tokens=40, stop_token_ids=[])),
+                "late": (late, GenerationConfig(max_new_tokens=40, stop_token_ids=[]))}
+    got = {rid: [] for rid in requests}
+    step = 0
+    while engine.has_work or step <= 3:
+        if step == 0:
+            for rid in ("long", "short", "medium"):
+                engine.add(rid, *requests[rid])
+        if step == 3:
+            engine.add("late", *requests["late"])
+        for event in engine.step():
+            got[event.request_id] += event.tokens
+        step += 1
+        if engine.policy.rounds == first_draft - 1:  # the last round before the first draft
+            assert engine.compacted and "long" not in engine.ids
+            assert engine.caches.context.all_staged
+    assert engine.policy.rounds > first_draft + 3
+
+    for request_id in ("short", "medium", "late"):
+        prompt = requests[request_id][0]
+        sequence = torch.tensor(prompt + got[request_id])
+        features = target.forward(sequence[None], layer_ids=drafter.config.target_layer_ids).features
+        rounds = [(p, tokens, confidence) for rid, p, tokens, confidence in engine.recorded if rid == request_id]
+        assert len(rounds) > 3
+        reference = drafts_from_scratch(drafter, features, sequence, torch.tensor([p for p, _, _ in rounds]))
+        for i, (position, tokens, confidence) in enumerate(rounds):
+            assert torch.equal(tokens, reference.tokens[i]), (request_id, position)
+            assert torch.allclose(confidence, reference.confidence[i], rtol=0, atol=1e-9), (request_id, position)
+
+
 def test_greedy_accepted_counts_leading_matches():
     target = bigram_target()
     drafter = mostly_right_drafter(target, wrong_fraction=0.0)
