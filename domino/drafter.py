@@ -22,6 +22,7 @@ from domino.errors import DominoError
 from domino.formats import CONFIG_NAME, WEIGHTS_NAME, read_checkpoint
 from domino.heads import ConfidenceHead, build_head
 from domino.lookup import CopyRun, TokenHistory
+from domino.packed_linear import can_pack, pack, pack_linear_layers, packed_linear
 from domino.sampling import RowSampling, point_masses
 
 
@@ -252,7 +253,11 @@ class Drafter(nn.Module):
             return self.target_logits(h)
         head = self.target_modules[1]
         bias = None if head.bias is None else head.bias[self.draft_to_target]
-        return F.linear(h.to(self.head_rows.dtype), self.head_rows, bias).float()
+        h = h.to(self.head_rows.dtype)
+        if self.packed_head_rows is not None and h.dtype == torch.float32 and h.device.type == "cpu" \
+                and not torch.is_grad_enabled():  # drafting on a CPU: 5x faster at 8 positions
+            return packed_linear(h, self.packed_head_rows, bias).float()
+        return F.linear(h, self.head_rows, bias).float()
 
     # -- the reduced draft vocabulary (FR-Spec / EAGLE-3) ------------------------------------------
     def set_draft_vocabulary(self, target_ids: torch.Tensor) -> None:
@@ -270,6 +275,7 @@ class Drafter(nn.Module):
     def _pick_head_rows(self) -> None:
         weight = self.target_modules[1].weight
         self.head_rows = weight.detach()[self.draft_to_target.to(weight.device)].to(self.draft_to_target.device)
+        self.packed_head_rows = pack(self.head_rows) if can_pack(self.head_rows) else None  # not moved or cast with it
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
@@ -475,4 +481,6 @@ class Drafter(nn.Module):
             drafter.load_state_dict(weights)
         except RuntimeError as error:
             raise DominoError(f"the weights in {path} do not match its config: {str(error).splitlines()[0]}") from None
-        return drafter.to(device=target.device).eval()
+        drafter = drafter.to(device=target.device).eval()
+        pack_linear_layers(drafter)  # for inference on a CPU in float32; training would fall back to the dense weights
+        return drafter

@@ -23,6 +23,17 @@ def can_pack(weight: torch.Tensor) -> bool:
     return ONEDNN_ON_X86 and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (out, in) laid out for oneDNN on this CPU (check `can_pack` first)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` of float32 `x` through a `pack`ed weight."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None if bias is None else bias.detach(),
+                                              "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """`linear`'s forward through its packed weight. The dense weight stays as `weight` (tied input
     embeddings, the drafter's reduced LM head and `Drafter.start_from_target` read it) and runs the
@@ -32,10 +43,11 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features  # as nn.Linear reads
         self.pack()
 
     def pack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())  # not a buffer: never saved or moved
+        self.packed = pack(self.weight)  # not a buffer: never saved or moved
         self.packed_from = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +56,7 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if self.packed_from != (self.weight.data_ptr(), self.weight._version):
             self.pack()
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
     def dense(self) -> nn.Linear:
         """A plain `nn.Linear` over the same weight and bias."""
@@ -54,7 +65,7 @@ class PackedLinear(nn.Module):
         return linear
 
     def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, packed for oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
 
 
 def replace_layers(model: nn.Module, wanted: Callable[[nn.Module], bool],

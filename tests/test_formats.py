@@ -17,6 +17,7 @@ from domino.drafter import ContextCache, Drafter
 from domino.errors import DominoError
 from domino.formats import export
 from domino.objective import DraftingObjective, ObjectiveConfig
+from domino.packed_linear import pack_linear_layers
 from domino.sampling import GREEDY, RowSampling, SamplingParams
 from domino.training import TrainConfig, train
 from helpers import greedy_continuations, tiny_drafter, tiny_target, training_batches
@@ -235,6 +236,7 @@ def test_sglang_domino_export_holds_what_sglangs_loader_reads(target, tmp_path):
     assert torch.equal(draft.tokens[:, :BLOCK - 1], expected)
     # our loader reads SGLang's format back: the same drafts, sampled ones included
     loaded = Drafter.from_pretrained(tmp_path / "sglang", target)
+    pack_linear_layers(drafter)  # as loading packs it, so that the drafts compare bit for bit
     hot = SamplingParams(temperature=1.0)
     assert torch.equal(our_draft(loaded, target, ids, hot)[0].probs, our_draft(drafter, target, ids, hot)[0].probs)
 

@@ -1,8 +1,9 @@
 """What a drafter costs on the embedded target: parameters per head kind, and the time of one draft
 forward per head kind against one target decode step and one target verification of a whole block, the
-target's linear layers packed for oneDNN (as a float32 target on a CPU runs) and, last, dense. The drafter's
-shape defaults to the training pipeline's default (pipelines/training/config.py); drafts are timed with the
-target's whole vocabulary and with the reduced draft vocabulary, per head kind.
+drafter's and the target's linear layers packed for oneDNN (as float32 models loaded on a CPU run) and, last,
+the target's dense. The drafter's shape defaults to the training pipeline's default
+(pipelines/training/config.py); drafts are timed with the target's whole vocabulary and with the reduced
+draft vocabulary, per head kind.
 
     python -m pipelines.bench drafter-costs [--target smollm2-135m] [--layers 1] [--block-size 8]
 """
@@ -18,7 +19,7 @@ import torch
 
 from domino.config import HEAD_KINDS, DrafterConfig
 from domino.drafter import ContextCache, Drafter
-from domino.packed_linear import unpack_linear_layers
+from domino.packed_linear import pack_linear_layers, unpack_linear_layers
 from domino.sampling import GREEDY, RowSampling
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks import HelpFormatter
@@ -81,6 +82,7 @@ def main(argv: list[str]) -> None:
         config = DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size, head=head,
                                           rank=args.rank[0], draft_vocab_size=vocab)
         drafter = Drafter(config, target.embed_tokens, target.lm_head).eval()
+        pack_linear_layers(drafter)  # as a loaded drafter runs
         context = ContextCache()
         with torch.no_grad():
             drafter.extend_context(context, features, torch.arange(args.context)[None])
