@@ -22,7 +22,7 @@ from domino.errors import DominoError
 from domino.formats import CONFIG_NAME, WEIGHTS_NAME, read_checkpoint
 from domino.heads import ConfidenceHead, build_head
 from domino.lookup import CopyRun, TokenHistory
-from domino.packed_linear import can_pack, pack, pack_linear_layers, packed_linear
+from domino.packed_linear import pack, pack_linear_layers, packed_linear, runs_packed
 from domino.sampling import RowSampling, point_masses
 
 
@@ -254,8 +254,9 @@ class Drafter(nn.Module):
         head = self.target_modules[1]
         bias = None if head.bias is None else head.bias[self.draft_to_target]
         h = h.to(self.head_rows.dtype)
-        if self.packed_head_rows is not None and h.dtype == torch.float32 and h.device.type == "cpu" \
-                and not torch.is_grad_enabled():  # drafting on a CPU: 5x faster at 8 positions
+        if runs_packed(h, self.head_rows):  # drafting on a CPU: 5x faster at 8 positions
+            if self.packed_head_rows is None:  # packed at the first draft, not for training or at each load
+                self.packed_head_rows = pack(self.head_rows)
             return packed_linear(h, self.packed_head_rows, bias).float()
         return F.linear(h, self.head_rows, bias).float()
 
@@ -275,7 +276,7 @@ class Drafter(nn.Module):
     def _pick_head_rows(self) -> None:
         weight = self.target_modules[1].weight
         self.head_rows = weight.detach()[self.draft_to_target.to(weight.device)].to(self.draft_to_target.device)
-        self.packed_head_rows = pack(self.head_rows) if can_pack(self.head_rows) else None  # not moved or cast with it
+        self.packed_head_rows = None  # these rows packed for oneDNN: by lm_head, when first needed
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]

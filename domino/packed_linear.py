@@ -25,6 +25,13 @@ def can_pack(weight: torch.Tensor) -> bool:
     return ONEDNN_ON_X86 and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
+def runs_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `F.linear(x, weight)` may run through a packed copy of `weight`: not while autograd records
+    (the packed operator has no backward), and only in float32 on an x86 CPU."""
+    recording = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return not recording and x.dtype == torch.float32 and can_pack(weight)
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (out, in) laid out for oneDNN on this CPU (check `can_pack` first)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -53,8 +60,7 @@ class PackedLinear(nn.Module):
         self.packed_from = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        recording = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if recording or x.dtype != torch.float32 or not can_pack(self.weight):
+        if not runs_packed(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         if self.packed_from != (self.weight.data_ptr(), self.weight._version):
             self.pack()
