@@ -43,8 +43,8 @@ from domino.sampling import choice_seed
 from domino.formats import has_confidence_head
 from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, make_policy
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.serving.api import (ERRORS, SSE_CONTENT, ApiError, ServedLimits, api, checked, event_stream,
-                                   publish_limits)
+from pipelines.serving.api import (ERRORS, SSE_CONTENT, ApiError, RefusalsInOneLine, ServedLimits, api, checked,
+                                   event_stream, publish_limits)
 from pipelines.serving.metrics import ReplicaMetrics
 from pipelines.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                         CompletionResponse, ErrorDetail, ErrorResponse, Formatter, GenerationRequest,
@@ -108,6 +108,7 @@ class EngineReplica:
 
     def __init__(self, args: ServeArgs):
         torch.set_num_threads(max(1, int(args.num_cpus)))
+        logger.addFilter(RefusalsInOneLine())
         engine = load_engine(args)
         self.target = engine.target
         self.model = args.served_name

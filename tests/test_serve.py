@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -271,6 +272,28 @@ def test_bad_input_gets_an_openai_error_and_the_replica_stays_healthy(server, pa
     good = post(server, path if path == COMPLETIONS else CHAT, max_tokens=2, temperature=0,
                 **({"prompt": "Hello"} if path == COMPLETIONS else {"messages": HELLO}))
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+
+
+def engine_replica_log_lines() -> list[str]:
+    """Every line the engine replicas wrote to their Serve log files so far (Ray's session folder)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    return [line for file in sorted(logs.glob(f"replica_{APP}_EngineReplica_*.log"))
+            for line in file.read_text(errors="replace").splitlines()]
+
+
+def test_a_refused_request_is_logged_in_one_line_without_a_traceback(server):
+    """Serve logs an exception a replica method raises as a failed request, with its traceback. A
+    refused request is the client's mistake: the engine replica logs one INFO line for it, streamed
+    or not, and no traceback."""
+    model = f"no-such-model-{uuid.uuid4().hex[:8]}"
+    for stream in (False, True):
+        response = post(server, CHAT, model=model, messages=HELLO, max_tokens=2, stream=stream)
+        assert response.status_code == 404, response.text
+    mentions = [line for line in engine_replica_log_lines() if model in line]
+    assert len(mentions) == 2, mentions
+    assert all(line.startswith("INFO ") and "request refused: the model" in line for line in mentions), mentions
 
 
 def test_null_options_mean_their_defaults(server):

@@ -38,6 +38,21 @@ class ApiError(Exception):
         return ApiError, (self.status, d.message, d.type, d.param, d.code)
 
 
+class RefusalsInOneLine(logging.Filter):
+    """Serve logs every exception a replica's method raises as a failed request, traceback and all. A
+    refused request (ApiError, or the engine's DominoError for bad input: both answered with a 4xx) is
+    the client's mistake, not the server's: this filter on Serve's logger rewrites its record to one
+    line at INFO, so that bad requests do not fill the replica's log with tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, (ApiError, DominoError)):
+            record.msg, record.args = "request refused: %s", (error,)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+
 class GenerationFailed(Exception):
     """A request's row failed on the engine (the others in its batch went on)."""
 
