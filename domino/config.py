@@ -19,6 +19,11 @@ LABEL_CONVENTIONS = ("shifted", "dflash")
 MAX_BLOCK_SIZE = 64
 
 
+def check_block_size(block_size: int) -> None:
+    if not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise DominoError(f"block_size must be between 2 and {MAX_BLOCK_SIZE} (16 is the usual choice), got {block_size}")
+
+
 @dataclass
 class DrafterConfig:
     # The target this drafter reads: a checkpoint is refused by a target that differs in any of these.
@@ -50,10 +55,7 @@ class DrafterConfig:
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise DominoError(
-                f"block_size must be between 2 and {MAX_BLOCK_SIZE} (16 is the usual choice), got {self.block_size}"
-            )
+        check_block_size(self.block_size)
         if self.head not in HEAD_KINDS:
             raise DominoError(f"unknown head kind '{self.head}': choose one of {', '.join(HEAD_KINDS)}")
         if self.label_convention not in LABEL_CONVENTIONS:

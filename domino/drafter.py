@@ -481,7 +481,8 @@ class Drafter(nn.Module):
         try:
             drafter.load_state_dict(weights)
         except RuntimeError as error:
-            raise DominoError(f"the weights in {path} do not match its config: {str(error).splitlines()[0]}") from None
+            first = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), str(error))
+            raise DominoError(f"the weights in {path} do not match its config: {first[:300]}") from None
         drafter = drafter.to(device=target.device).eval()
         pack_linear_layers(drafter)  # for inference on a CPU in float32; training would fall back to the dense weights
         return drafter

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from domino.config import check_block_size
 from domino.drafter import ContextCache, Draft, Drafter
 from domino.errors import DominoError
 from domino.batch_caches import BatchCaches
@@ -89,7 +90,9 @@ class DecodingEngine:
             block_size = drafter.config.num_drafts
         elif drafter not in (None, "oracle"):
             raise DominoError(f"drafter must be a Drafter, 'oracle' or None, got {drafter!r}")
-        block_size = block_size or 16
+        else:
+            block_size = 16 if block_size is None else block_size
+            check_block_size(block_size)
         self.policy = policy or FullVerify()
         if self.policy.needs_confidence and not (isinstance(drafter, Drafter) and drafter.confidence is not None):
             raise DominoError(f"confidence-scheduled verification {NEEDS_CONFIDENCE_HEAD}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from domino.config import DrafterConfig
@@ -79,9 +80,19 @@ def from_dflash_name(name: str) -> str | None:
 # -- reading -------------------------------------------------------------------------------------------
 def read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise DominoError(f"cannot read {path}: {error}") from None
+    if not isinstance(value, dict):
+        raise DominoError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as error:
+        raise DominoError(f"cannot read {path}, the checkpoint is incomplete or corrupt: {error}") from None
 
 
 def checkpoint_format(path: Path) -> str:
@@ -106,10 +117,10 @@ def checkpoint_format(path: Path) -> str:
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, or every shard a model.safetensors.index.json lists."""
     if (path / WEIGHTS_NAME).is_file():
-        return load_file(path / WEIGHTS_NAME)
+        return read_safetensors(path / WEIGHTS_NAME)
     if (path / SHARD_INDEX_NAME).is_file():
         shards = sorted(set(read_json(path / SHARD_INDEX_NAME).get("weight_map", {}).values()))
-        return {name: tensor for shard in shards for name, tensor in load_file(path / shard).items()}
+        return {name: tensor for shard in shards for name, tensor in read_safetensors(path / shard).items()}
     raise DominoError(f"{path} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
 
 
@@ -243,11 +254,16 @@ def export(drafter_path: str | Path, fmt: str, out: str | Path) -> Path:
     biased = sorted(name for name in weights if name.rsplit(".", 1)[-1].startswith("bias"))
     if biased:
         raise DominoError(f"{drafter_path} has biases ({', '.join(biased)}), which the {fmt} format has no place for")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never over the checkpoint it reads, or others
+        raise DominoError(f"--out {out} is {'not empty' if out.is_dir() else 'a file'}: export into a new folder")
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
-    (out / CONFIG_NAME).write_text(json.dumps(exported_config(config, fmt, dtype), indent=2) + "\n")
-    save_file({to_dflash_name(k): v.contiguous() for k, v in weights.items()}, out / WEIGHTS_NAME,
-              metadata={"format": "pt"})
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_NAME).write_text(json.dumps(exported_config(config, fmt, dtype), indent=2) + "\n")
+        save_file({to_dflash_name(k): v.contiguous() for k, v in weights.items()}, out / WEIGHTS_NAME,
+                  metadata={"format": "pt"})
+    except OSError as error:
+        raise DominoError(f"cannot write {out}: {error.strerror}") from None
     return out
 
 

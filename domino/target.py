@@ -86,6 +86,9 @@ def causal_lm_config(path: str, name: str):
         config = AutoConfig.from_pretrained(path)
     except OSError as error:
         raise DominoError(f"cannot read the model config of '{name}': {error}") from None
+    except ValueError:  # a config.json without a model_type transformers knows: a drafter checkpoint, say
+        raise DominoError(f"'{name}' is not a Hugging Face model: its config.json names no model_type that "
+                          f"transformers knows (a drafter checkpoint is passed as the drafter)") from None
     check_causal_lm(config)
     return config
 

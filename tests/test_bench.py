@@ -109,6 +109,31 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
     assert "error: target" in capsys.readouterr().err
 
 
+def test_a_run_that_could_not_report_correctly_is_refused_before_it_decodes(tmp_path, embedded_target, capsys):
+    """Rows are keyed by method name, so two drafters of one name would share a row (judged lossless or not
+    against one baseline), and a drafter named like a built-in would join its row. A report folder that
+    cannot be made, or a prompts file that is not UTF-8, would end the run late or with a traceback."""
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"turns": ["Say hi."]}) + "\n")
+    for run in ("a", "b"):
+        tiny_drafter(embedded_target, num_layers=1).save_pretrained(tmp_path / run / "drafter")
+    same_names = [str(tmp_path / run / "drafter") for run in ("a", "b")]
+    assert bench.main(["run", "--datasets", str(data), "--prompts", "1", "--methods", *same_names,
+                       "--out", str(tmp_path / "out")]) == 2
+    assert "several methods are named drafter" in capsys.readouterr().err
+    assert bench.main(["run", "--datasets", str(data), "--methods", f"autoregressive={same_names[0]}"]) == 2
+    assert "'autoregressive' names a built-in method" in capsys.readouterr().err
+    assert bench.main(["run", "--datasets", str(data), "--methods", "oracle", "--out", str(data)]) == 2
+    assert f"--out {data}: cannot make the report's folder" in capsys.readouterr().err
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b'{"turns": ["caf\xe9"]}\n')
+    assert bench.main(["run", "--datasets", str(binary)]) == 2
+    assert "binary.jsonl is not UTF-8 text" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    assert bench.main(["dflash-race", "--drafter", same_names[0]]) == 2  # z-lab's loop reads DFlash checkpoints only
+    assert "is a domino checkpoint, and z-lab's loop reads DFlash ones" in capsys.readouterr().err
+
+
 def test_the_ablation_measures_learned_drafts_alone_unless_told_otherwise():
     # copies from the text would be most of every head's tau, hiding what the ablation compares
     assert side_by_side.parse_args([], ablation=True).lookup == 0

@@ -172,6 +172,13 @@ def test_a_block_size_the_drafter_does_not_have_is_refused(target):
         SpeculativeDecoder(target, drafter, block_size=8)
 
 
+@pytest.mark.parametrize("block_size", [0, -4, 1, 1000])
+def test_an_oracle_block_size_out_of_range_is_refused(target, block_size):
+    """0 once meant the default and a negative size drafted nothing, silently."""
+    with pytest.raises(DominoError, match=f"block_size must be between 2 and 64.*got {block_size}"):
+        SpeculativeDecoder(target, "oracle", block_size=block_size)
+
+
 def test_a_decoder_left_mid_generation_starts_the_next_one_clean(target):
     decoder = SpeculativeDecoder(target, "oracle", block_size=4)
     config = GenerationConfig(max_new_tokens=12, stop_token_ids=[])

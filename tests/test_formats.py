@@ -306,6 +306,33 @@ def test_folder_in_neither_format_is_refused(tmp_path):
         Drafter.from_pretrained(tmp_path, tiny_target())
 
 
+def test_export_never_writes_over_a_folder_that_holds_files(target, tmp_path):
+    """Exporting into the checkpoint it reads would replace it; into any other folder with files, mix two."""
+    ours = tmp_path / "ours"
+    tiny_drafter(target, head="none", label_convention="dflash").save_pretrained(ours)
+    before = {p.name: p.read_bytes() for p in ours.iterdir()}
+    for out, message in [(ours, "is not empty"), (ours / "config.json", "is a file")]:
+        with pytest.raises(DominoError, match=f"--out {out} {message}: export into a new folder"):
+            export(ours, "dflash", out)
+    assert {p.name: p.read_bytes() for p in ours.iterdir()} == before
+    export(ours, "dflash", tmp_path / "empty-or-new")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda path: (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:100]),
+     "the checkpoint is incomplete or corrupt"),
+    (lambda path: (path / "config.json").write_text("[1, 2]"), r"config.json holds a JSON list, not an object"),
+    (lambda path: save_file({k: v for k, v in load_file(path / "model.safetensors").items() if k != "fc.weight"},
+                            path / "model.safetensors"), r"do not match its config: Missing key\(s\).*fc.weight"),
+])
+def test_a_damaged_checkpoint_gets_one_line_naming_the_damage(target, tmp_path, damage, message):
+    tiny_drafter(target).save_pretrained(tmp_path)
+    damage(tmp_path)
+    with pytest.raises(DominoError, match=message) as error:
+        Drafter.from_pretrained(tmp_path, target)
+    assert "\n" not in str(error.value)
+
+
 def test_export_command_line(target, tmp_path, capsys):
     tiny_drafter(target, head="none", label_convention="dflash").save_pretrained(tmp_path / "ours")
     main(["export", "--drafter", str(tmp_path / "ours"), "--format", "dflash", "--out", str(tmp_path / "out")])

@@ -37,6 +37,9 @@ def test_missing_and_malformed_paths_are_clear(tmp_path):
         resolve_target(str(tmp_path / "nope"))
     with pytest.raises(DominoError, match="no config.json"):
         resolve_target(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"target_hidden_size": 64, "block_size": 8}')  # a drafter's
+    with pytest.raises(DominoError, match="is not a Hugging Face model: its config.json names no model_type"):
+        Target.load(str(tmp_path))
 
 
 @pytest.mark.parametrize("config", [T5Config(num_layers=1, d_model=8, d_ff=8, num_heads=1, d_kv=8),

@@ -25,6 +25,7 @@ import platform
 import tempfile
 import time
 from itertools import cycle, islice
+from pathlib import Path
 
 import torch
 from dflash.model import DFlashDraftModel, dflash_generate
@@ -32,7 +33,8 @@ from dflash.model import DFlashDraftModel, dflash_generate
 from domino.config import DrafterConfig
 from domino.drafter import Drafter
 from domino.engine import DecodingEngine
-from domino.formats import export
+from domino.errors import DominoError
+from domino.formats import checkpoint_format, export
 from domino.requests import GenerationConfig
 from domino.scheduler import FullVerify, GatedFullVerify, profile_sps
 from domino.target import DEFAULT_TARGET, Target
@@ -98,6 +100,9 @@ def main(argv: list[str]) -> None:
     if not args.drafter:
         parser.error("pass --drafter DIR (a DFlash-format folder), or --make-random DIR to write one")
     drafter = Drafter.from_pretrained(args.drafter, target)  # first: it names a missing or mismatched folder
+    if checkpoint_format(Path(args.drafter)) != "dflash":
+        raise DominoError(f"{args.drafter} is a domino checkpoint, and z-lab's loop reads DFlash ones: "
+                          f"`python -m domino export --format dflash` writes one")
     model = DFlashDraftModel.from_pretrained(args.drafter).to(target.model.dtype).eval()
     prompts = [target.encode_prompt(p) for p in PROMPTS[:args.prompts]]
 

@@ -71,6 +71,8 @@ def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "
     if spec == "prompt-lookup":
         return Method(spec, target, hf_options=dict(prompt_lookup_num_tokens=10), sampling=sampling)
     name, _, path = spec.rpartition("=")
+    if name in BUILTIN:
+        raise DominoError(f"method '{spec}': '{name}' names a built-in method; give the drafter another name")
     if not Path(path).is_dir():
         if name or "/" in path:
             raise DominoError(f"method '{spec}': no drafter checkpoint folder at {path}")
@@ -91,3 +93,13 @@ def make_methods(spec: str, target: Target, block_size: int, verify: list[str], 
         return [make_method(spec, target, block_size, verify[0], sampling, lookup_ngram)]
     methods = [make_method(spec, target, block_size, policy, sampling, lookup_ngram) for policy in verify]
     return [replace(method, name=f"{method.name} ({policy})") for method, policy in zip(methods, verify)]
+
+
+def check_unique_names(methods: list[Method]) -> None:
+    """Rows are keyed by method name: two methods of one name would share a row, and a row of two drafters'
+    outputs would be judged against one baseline."""
+    names = [method.name for method in methods]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise DominoError(f"several methods are named {', '.join(repeated)} (a checkpoint is named after its "
+                          f"folder): name each as NAME=PATH")

@@ -62,19 +62,22 @@ EMBEDDED = {"humaneval": humaneval, "mt-bench": mt_bench, "gsm": gsm, "sharegpt"
 
 def read_turns_jsonl(path: Path, limit: int) -> list[list[str]]:
     conversations = []
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                turns = json.loads(line)["turns"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DominoError(f"{path}:{number}: expected a JSON object with a \"turns\" list") from None
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-                raise DominoError(f"{path}:{number}: \"turns\" must be a non-empty list of non-empty strings")
-            conversations.append(turns)
-            if len(conversations) == limit:
-                break
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise DominoError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line)["turns"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise DominoError(f"{path}:{number}: expected a JSON object with a \"turns\" list") from None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise DominoError(f"{path}:{number}: \"turns\" must be a non-empty list of non-empty strings")
+        conversations.append(turns)
+        if len(conversations) == limit:
+            break
     if not conversations:
         raise DominoError(f"{path} holds no conversations")
     return conversations

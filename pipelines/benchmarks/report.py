@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from domino.errors import DominoError
 from pipelines.benchmarks.methods import Output
 
 BASELINE = "autoregressive"
@@ -162,8 +163,20 @@ def plots(rows: list[Row], out_dir: Path) -> list[Path]:
     return paths
 
 
+def output_folder(path: str) -> Path:
+    """The report's folder, made before anything is measured: a path that cannot hold it is refused at the
+    start, not after the whole run."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DominoError(f"--out {path}: cannot make the report's folder there ({error.strerror})") from None
+    if not os.access(folder, os.W_OK):
+        raise DominoError(f"--out {path}: the folder is not writable")
+    return folder
+
+
 def write(rows: list[Row], out_dir: Path, command: str) -> dict[str, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
     files = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
     files["json"].write_text(json.dumps({"command": command, "machine": machine(),
                                          "rows": [r.as_dict() for r in rows]}, indent=2) + "\n")

@@ -30,9 +30,9 @@ from domino.sampling import SamplingParams
 from domino.scheduler import POLICIES
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks import HelpFormatter
-from pipelines.benchmarks.methods import BUILTIN, Method, make_methods
+from pipelines.benchmarks.methods import BUILTIN, Method, check_unique_names, make_methods
 from pipelines.benchmarks.prompts import EMBEDDED, PromptSet, load_prompt_set
-from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, markdown, write
+from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, markdown, output_folder, write
 
 
 def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
@@ -145,15 +145,17 @@ def ablation(argv: list[str]) -> int:
 def benchmark_command(argv: list[str], ablation: bool) -> int:
     """`run` or `ablation`: (train,) benchmark, then write and print the report."""
     args = parse_args(argv, ablation)
+    out = output_folder(args.out)
     prompt_sets = [load_prompt_set(spec, args.prompts) for spec in args.datasets]
     drafters = train_ablation(args.train) if ablation else []
     target = Target.load(args.target)
     specs = list(dict.fromkeys([BASELINE] + args.methods + drafters))  # plain decoding is the reference
     methods = [method for spec in specs
                for method in make_methods(spec, target, args.block_size, args.verify, args.sampling, args.lookup)]
+    check_unique_names(methods)
     rows = benchmark(target, methods, prompt_sets, args.max_new_tokens, args.seed)
     command = f"python -m pipelines.bench {'ablation' if ablation else 'run'} " + shlex.join(argv)
-    files = write(rows, Path(args.out), command)
+    files = write(rows, out, command)
     print(markdown(rows))
     print("\nwrote " + ", ".join(str(p) for p in files.values()))
     return 0
