@@ -44,8 +44,10 @@ from pipelines.training.features import regenerated, with_features  # noqa: E402
 from pipelines.training.trainer import drafter_config, fit  # noqa: E402
 
 
-def connect() -> None:
-    """Join the cluster this job was submitted to (RAY_ADDRESS), else start a private local one."""
+def connect() -> bool:
+    """Join the cluster this job was submitted to (RAY_ADDRESS), else start a private local one (or use the
+    one this process is connected to); whether the cluster's resources are fixed: no autoscaler adds a node
+    to a cluster the job was not submitted to."""
     # Set before a local cluster starts, these reach every worker too (a cluster's own are its operator's):
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else every worker line is printed twice
     os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")  # not each dataset's execution plan and start and end
@@ -53,13 +55,23 @@ def connect() -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False  # bars redrawn in a log are noise
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     quiet_ray_notices()
-    if ray.is_initialized():
-        return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level=logging.WARNING)
-    else:  # Ray Train's placement-group cleaner needs the dashboard's state API
+        if not ray.is_initialized():
+            ray.init(logging_level=logging.WARNING)
+        return False
+    if not ray.is_initialized():  # Ray Train's placement-group cleaner needs the dashboard's state API
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=True, logging_level=logging.WARNING,
                  runtime_env={"worker_process_setup_hook": quiet_ray_notices})
+    return True
+
+
+def check_resources(cfg: PipelineConfig) -> None:
+    """On a cluster of fixed size, a job that asks for more than it holds would wait for ever."""
+    have = ray.cluster_resources()
+    for name, (needed, keys) in cfg.resources_at_once().items():
+        if needed > have.get(name, 0) + 1e-9:
+            raise DominoError(f"the job holds {needed:g} {name}s at once ({keys}), and the local Ray cluster has "
+                              f"{have.get(name, 0):g}: lower those keys, or submit the job to a cluster that has them")
 
 
 def quiet_ray_notices() -> None:
@@ -83,7 +95,8 @@ def run(cfg: PipelineConfig) -> dict:
     """Run the whole job. Returns what it measured: `drafter` (its config), `checkpoint` (the newest,
     a RunState), `epoch_tokens` (tokens in one pass over the training sequences), and when they were
     produced, `metrics` (the last training report) and `tau` (the evaluation table's rows)."""
-    connect()
+    if connect():
+        check_resources(cfg)
     target_path = resolve_target(cfg.target)
     drafter = drafter_config(cfg, shape_only_target(target_path, cfg.target))
     state = checkpoints.latest(cfg)
@@ -94,6 +107,7 @@ def run(cfg: PipelineConfig) -> dict:
     found = survey(tokenized, cfg, drafter.target_vocab_size)
     print(f"[data] {cfg.data}: {found.summary()}", flush=True)
     check_survey(found, cfg)
+    checkpoints.check_writable(cfg)
 
     outcome: dict = {"drafter": drafter, "epoch_tokens": found.tokens}
     changed = state.changed(cfg) if state is not None else ""

@@ -224,6 +224,30 @@ def test_bad_data_stops_before_training(cluster, inputs, tmp_path, make_data, me
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(use_gpu=True), r"holds 2 GPUs at once \(num_workers x trainer_gpus \(use_gpu\).*the local Ray cluster has 0"),
+    (dict(feature_gpus=1), "holds 1 GPUs at once"),
+    (dict(trainer_cpus=3), r"holds 6.5 CPUs at once \(num_workers x trainer_cpus \+ feature_actors x feature_cpus\)"),
+])
+def test_a_job_the_cluster_cannot_hold_is_refused_instead_of_waiting_for_ever(cluster, inputs, tmp_path, overrides,
+                                                                              message):
+    """On a cluster the job was not submitted to (so no autoscaler adds nodes), actors the cluster cannot
+    place would wait for ever: the job is refused before any work."""
+    with pytest.raises(DominoError, match=message):
+        run(config(inputs, tmp_path / "runs", **overrides))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_storage_that_cannot_hold_checkpoints_is_named_in_one_line(cluster, inputs, tmp_path):
+    (tmp_path / "file").write_text("")
+    for storage in (tmp_path / "file", Path("/proc/domino-runs")):
+        with pytest.raises(DominoError, match=f"cannot write checkpoints to {storage}: ") as error:
+            run(config(inputs, storage))
+        assert "\n" not in str(error.value)
+    with pytest.raises(DominoError, match="storage_path: String should have at least 1 character"):
+        config(inputs, "")
+
+
 def test_command_line_errors_are_one_line_without_traceback(capsys):
     assert main(["stepz=3"]) == 2
     err = capsys.readouterr().err

@@ -100,6 +100,16 @@ class RunState:
         return f"{self.uri}/{DRAFTER_DIR}"
 
 
+def check_writable(cfg: PipelineConfig) -> None:
+    """Make the run's folder in storage before training: a storage_path that cannot hold it fails here, in
+    one line, not when the first checkpoint is written."""
+    try:
+        filesystem, run_path = fs.FileSystem.from_uri(f"{cfg.storage_uri}/{cfg.run_name}")
+        filesystem.create_dir(run_path, recursive=True)
+    except (OSError, ValueError) as error:
+        raise DominoError(f"cannot write checkpoints to {cfg.storage_uri}: {str(error).splitlines()[0]}") from None
+
+
 def latest(cfg: PipelineConfig) -> RunState | None:
     """The newest checkpoint of run `run_name` in storage, or None for a new run."""
     run_uri = f"{cfg.storage_uri}/{cfg.run_name}"

@@ -30,7 +30,7 @@ class PipelineConfig(BaseModel):
 
     # -- run ----------------------------------------------------------------------------------------
     run_name: str = Field("smollm2-sharegpt", min_length=1, description="rerunning with the same name resumes from its last checkpoint")
-    storage_path: str = Field("~/domino-runs", description="where checkpoints go: a local folder or s3://bucket/prefix")
+    storage_path: str = Field("~/domino-runs", min_length=1, description="where checkpoints go: a local folder or s3://bucket/prefix")
 
     # -- data ---------------------------------------------------------------------------------------
     data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded), or .jsonl/.json (JSON Lines, or one JSON array of conversations) or .parquet files: a file or folder, local or s3://")
@@ -119,6 +119,19 @@ class PipelineConfig(BaseModel):
         if "://" in self.storage_path:
             return self.storage_path.rstrip("/")
         return str(Path(self.storage_path).expanduser().resolve())
+
+    def resources_at_once(self) -> dict[str, tuple[float, str]]:
+        """CPUs and GPUs the job's actors hold at the same time (regeneration's actors, then the trainers
+        beside the feature actors), each with the keys that set it."""
+        trainer_gpus = self.trainer_gpus if self.use_gpu else 0
+        training = (self.num_workers * self.trainer_cpus + self.feature_actors * self.feature_cpus,
+                    self.num_workers * trainer_gpus + self.feature_actors * self.feature_gpus)
+        regeneration = ((self.regenerate_actors * self.feature_cpus, self.regenerate_actors * self.feature_gpus)
+                        if self.regenerate else (0, 0))
+        return {"CPU": (max(training[0], regeneration[0]), "num_workers x trainer_cpus + feature_actors x feature_cpus"
+                        + (", or regenerate_actors x feature_cpus" if self.regenerate else "")),
+                "GPU": (max(training[1], regeneration[1]), "num_workers x trainer_gpus (use_gpu) + feature_actors x "
+                        "feature_gpus" + (", or regenerate_actors x feature_gpus" if self.regenerate else ""))}
 
     def deepspeed(self) -> dict:
         """The DeepSpeed JSON with the keys this config owns filled in, so each value lives in one place."""
