@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
