@@ -124,21 +124,24 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise DominoError(f"{path} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
 
 
-def has_confidence_head(path: Path) -> bool:
-    """Whether the checkpoint folder's drafter has a confidence head (DFlash drafters have none), read
-    without loading a target or weights."""
-    return checkpoint_format(path) == "domino" and DrafterConfig.load(path / CONFIG_NAME).confidence_head
+def read_config(path: str | Path, target: "Target") -> DrafterConfig:
+    """The drafter config of a domino or DFlash checkpoint folder, refused if made for another target;
+    the weights are not read (a shape-only target does)."""
+    path = Path(path)
+    if checkpoint_format(path) == "domino":
+        config = DrafterConfig.load(path / CONFIG_NAME)
+        config.check_target(target)
+        return config
+    return dflash_config(read_json(path / CONFIG_NAME), path, target)
 
 
 def read_checkpoint(path: str | Path, target: "Target") -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
     """The drafter config and our-named weights of a domino or DFlash checkpoint folder for `target`."""
     path = Path(path)
-    if checkpoint_format(path) == "domino":
-        config = DrafterConfig.load(path / CONFIG_NAME)
-        config.check_target(target)
-        return config, read_weights(path)
-    config = dflash_config(read_json(path / CONFIG_NAME), path, target)
-    return config, dflash_weights(read_weights(path), path)
+    config, weights = read_config(path, target), read_weights(path)
+    if checkpoint_format(path) == "dflash":
+        weights = dflash_weights(weights, path)
+    return config, weights
 
 
 def dflash_value(config: dict, name: str, default: Any = None) -> Any:

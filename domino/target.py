@@ -131,6 +131,16 @@ class Target:
         tokenizer = AutoTokenizer.from_pretrained(resolved)
         return cls(model, tokenizer, name_or_path)
 
+    @classmethod
+    def shape_only(cls, name_or_path: str = DEFAULT_TARGET) -> "Target":
+        """The target's config and tokenizer, its weights left on the meta device: enough to size or check a
+        drafter where the model itself is not needed (the training job's driver, Serve's application builder)."""
+        resolved = resolve_target(name_or_path)
+        config = causal_lm_config(resolved, name_or_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return cls(model, AutoTokenizer.from_pretrained(resolved), name_or_path)
+
     # -- shape facts the drafter is built from -------------------------------------------------
     @property
     def num_layers(self) -> int:

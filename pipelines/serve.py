@@ -40,7 +40,7 @@ from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import choice_seed
-from domino.formats import has_confidence_head
+from domino.formats import read_config
 from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.api import (ERRORS, SSE_CONTENT, ApiError, RefusalsInOneLine, ServedLimits, api, checked,
@@ -288,18 +288,21 @@ class OpenAIServer:
         return StreamingResponse(relayed(first, chunks), media_type="text/event-stream")
 
 
-def check_drafter(args: ServeArgs) -> None:
-    """The drafter's folder and the verify policy it must support, checked where the application is built:
-    a replica that fails to start is retried, and Serve then goes on serving nothing. So a checkpoint
-    folder must lie at the same path here and on the replicas' nodes."""
-    confident = args.drafter not in ("none", "oracle") and has_confidence_head(Path(args.drafter).expanduser())
+def check_application(args: ServeArgs) -> None:
+    """The target, the drafter's checkpoint (made for that target) and the verify policy it must support,
+    checked where the application is built from their configs: a replica that fails to start is retried,
+    and Serve then goes on serving nothing. So the target and a checkpoint folder must lie at the same
+    paths here and on the replicas' nodes. The weights are read by the replicas alone."""
+    target = Target.shape_only(args.target)
+    drafter = None if args.drafter in ("none", "oracle") else read_config(Path(args.drafter).expanduser(), target)
+    confident = drafter is not None and drafter.confidence_head
     if POLICY_CLASSES[args.verify].needs_confidence and not confident:
         raise DominoError(f"verify={args.verify} {NEEDS_CONFIDENCE_HEAD}; drafter={args.drafter} has none")
 
 
 def application(args: ServeArgs, **engine_options) -> Application:
     """The application for `args`; `engine_options` (autoscaling, ...) override the engine replicas' defaults."""
-    check_drafter(args)
+    check_application(args)
     resources = {"num_cpus": args.num_cpus, "num_gpus": args.num_gpus}
     return OpenAIServer.bind(EngineReplica.options(ray_actor_options=resources, **engine_options).bind(args))
 

@@ -27,12 +27,10 @@ import logging  # noqa: E402
 import warnings  # noqa: E402
 
 import ray  # noqa: E402
-import torch  # noqa: E402
 from ray.util.annotations import RayDeprecationWarning  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from domino.errors import DominoError  # noqa: E402
-from domino.target import Target, causal_lm_config, resolve_target  # noqa: E402
+from domino.target import Target, resolve_target  # noqa: E402
 from domino.vocabulary import coverage, most_frequent  # noqa: E402
 from pipelines.training import checkpoints  # noqa: E402
 from pipelines.training.config import PipelineConfig, command_line, parse_args  # noqa: E402
@@ -82,15 +80,6 @@ def quiet_ray_notices() -> None:
     warnings.filterwarnings("ignore", message=".*exclude_resources", category=RayDeprecationWarning)
 
 
-def shape_only_target(path: str, name: str) -> Target:
-    """The target's config and tokenizer, its weights left on the meta device: enough to size a drafter
-    in the driver without loading a large model there."""
-    config = causal_lm_config(path, name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return Target(model, AutoTokenizer.from_pretrained(path), name)
-
-
 def run(cfg: PipelineConfig) -> dict:
     """Run the whole job. Returns what it measured: `drafter` (its config), `checkpoint` (the newest,
     a RunState), `epoch_tokens` (tokens in one pass over the training sequences), and when they were
@@ -98,7 +87,7 @@ def run(cfg: PipelineConfig) -> dict:
     if connect():
         check_resources(cfg)
     target_path = resolve_target(cfg.target)
-    drafter = drafter_config(cfg, shape_only_target(target_path, cfg.target))
+    drafter = drafter_config(cfg, Target.shape_only(cfg.target))
     state = checkpoints.latest(cfg)
     if state is not None:
         checkpoints.check_resumable(state, cfg, drafter)

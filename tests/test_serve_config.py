@@ -34,7 +34,7 @@ def test_cluster_config_autoscales():
     assert scaling["target_ongoing_requests"] <= deployment.max_ongoing_requests
 
 
-def test_the_builder_refuses_a_drafter_the_replicas_could_not_start_with(tmp_path):
+def test_the_builder_refuses_what_the_replicas_could_not_start_with(tmp_path, embedded_target):
     """Checked where the application is built: a replica failing in its constructor is retried and Serve
     goes on serving nothing, so `serve run` must end with the reason instead."""
     from domino.errors import DominoError
@@ -45,9 +45,13 @@ def test_the_builder_refuses_a_drafter_the_replicas_could_not_start_with(tmp_pat
         build_app({"drafter": str(tmp_path / "gone")})
     with pytest.raises(DominoError, match="verify=confidence needs a drafter trained with a confidence head"):
         build_app({"drafter": "none", "verify": "confidence"})
-    target = tiny_target()
+    with pytest.raises(DominoError, match=f"target '{tmp_path / 'no-model'}' not found"):
+        build_app({"target": str(tmp_path / "no-model")})
+    tiny_drafter(tiny_target()).save_pretrained(tmp_path / "other")
+    with pytest.raises(DominoError, match="trained for a target with hidden size 64 .* but 'smollm2-135m' has 576"):
+        build_app({"drafter": str(tmp_path / "other")})
     for confident in (False, True):
-        tiny_drafter(target, confidence_head=confident).save_pretrained(tmp_path / str(confident))
+        tiny_drafter(embedded_target, confidence_head=confident).save_pretrained(tmp_path / str(confident))
     with pytest.raises(DominoError, match="verify=threshold needs"):
         build_app({"drafter": str(tmp_path / "False"), "verify": "threshold"})
     build_app({"drafter": str(tmp_path / "True"), "verify": "confidence"})
