@@ -250,3 +250,14 @@ def test_a_resumed_run_finishes_the_plan_its_budget_cut(minutes, planned, length
     state = checkpoints.RunState(uri="", step=length, planned_steps=planned, world_size=1,
                                  drafter=None, config={})
     assert state.finished(cfg) and not checkpoints.RunState(**{**vars(state), "step": length - 1}).finished(cfg)
+
+
+def test_a_command_interrupted_with_ctrl_c_ends_in_one_line(capsys):
+    from pipelines.training.errors import exit_status
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert exit_status(interrupted) == 130
+    assert capsys.readouterr().err == ("interrupted: the checkpoints written so far are kept, and the same command "
+                                       "resumes from the last\n")

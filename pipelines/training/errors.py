@@ -30,10 +30,14 @@ def root_cause(error: BaseException) -> str:
 
 def exit_status(command: Callable[[], object]) -> int:
     """Run a command line's body: bad input (a DominoError) becomes one line on stderr and exit status 2,
-    never a traceback."""
+    and Ctrl-C one line and status 130, never a traceback."""
     try:
         command()
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: the checkpoints written so far are kept, and the same command resumes from the last",
+              file=sys.stderr)
+        return 130
     return 0
