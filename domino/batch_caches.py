@@ -29,6 +29,11 @@ class BatchCaches:
         self.target, self.context, self.valid = target, context, valid
 
     @property
+    def staged_only(self) -> bool:
+        """Whether the drafter's cache holds staged features alone (the batch has not drafted yet)."""
+        return self.context is not None and self.context.all_staged
+
+    @property
     def positions(self) -> torch.Tensor:
         """The position of each row's next token: how many tokens it holds."""
         return self.valid.sum(dim=1)
@@ -86,7 +91,7 @@ class BatchCaches:
         copy of the batch for all of them. Drafter caches that hold only staged features (nothing drafted
         yet, as in a batch too large for drafts to pay) join as features, still unprojected."""
         parts = [self, *others]
-        staged_only = self.context is not None and all(part.context.all_staged for part in parts)
+        staged_only = all(part.staged_only for part in parts)
         if not staged_only:
             for part in parts:
                 part.catch_up()
@@ -110,7 +115,7 @@ class BatchCaches:
         longest = int(counts.max())
         if self.valid.shape[1] <= slack * longest + 16:
             return
-        staged_only = self.context is not None and self.context.all_staged
+        staged_only = self.staged_only
         if not staged_only:
             self.catch_up()
         order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :longest]
