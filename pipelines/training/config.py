@@ -124,14 +124,17 @@ class PipelineConfig(BaseModel):
         """CPUs and GPUs the job's actors hold at the same time (regeneration's actors, then the trainers
         beside the feature actors), each with the keys that set it."""
         trainer_gpus = self.trainer_gpus if self.use_gpu else 0
-        training = (self.num_workers * self.trainer_cpus + self.feature_actors * self.feature_cpus,
-                    self.num_workers * trainer_gpus + self.feature_actors * self.feature_gpus)
-        regeneration = ((self.regenerate_actors * self.feature_cpus, self.regenerate_actors * self.feature_gpus)
-                        if self.regenerate else (0, 0))
-        return {"CPU": (max(training[0], regeneration[0]), "num_workers x trainer_cpus + feature_actors x feature_cpus"
-                        + (", or regenerate_actors x feature_cpus" if self.regenerate else "")),
-                "GPU": (max(training[1], regeneration[1]), "num_workers x trainer_gpus (use_gpu) + feature_actors x "
-                        "feature_gpus" + (", or regenerate_actors x feature_gpus" if self.regenerate else ""))}
+        held = {}
+        for name, trainer, actor, (trainer_key, actor_key) in [
+                ("CPU", self.trainer_cpus, self.feature_cpus, ("trainer_cpus", "feature_cpus")),
+                ("GPU", trainer_gpus, self.feature_gpus, ("trainer_gpus (use_gpu)", "feature_gpus"))]:
+            needed = self.num_workers * trainer + self.feature_actors * actor
+            keys = f"num_workers x {trainer_key} + feature_actors x {actor_key}"
+            if self.regenerate:  # regeneration's actors run first, alone
+                needed = max(needed, self.regenerate_actors * actor)
+                keys += f", or regenerate_actors x {actor_key}"
+            held[name] = (needed, keys)
+        return held
 
     def deepspeed(self) -> dict:
         """The DeepSpeed JSON with the keys this config owns filled in, so each value lives in one place."""
