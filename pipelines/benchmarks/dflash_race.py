@@ -99,10 +99,10 @@ def main(argv: list[str]) -> None:
         return
     if not args.drafter:
         parser.error("pass --drafter DIR (a DFlash-format folder), or --make-random DIR to write one")
-    drafter = Drafter.from_pretrained(args.drafter, target)  # first: it names a missing or mismatched folder
-    if checkpoint_format(Path(args.drafter)) != "dflash":
+    if checkpoint_format(Path(args.drafter)) != "dflash":  # first: it also names a missing folder
         raise DominoError(f"{args.drafter} is a domino checkpoint, and z-lab's loop reads DFlash ones: "
                           f"`python -m domino export --format dflash` writes one")
+    drafter = Drafter.from_pretrained(args.drafter, target)  # before z-lab's loader: it names a mismatched target
     model = DFlashDraftModel.from_pretrained(args.drafter).to(target.model.dtype).eval()
     prompts = [target.encode_prompt(p) for p in PROMPTS[:args.prompts]]
 
