@@ -100,7 +100,7 @@ def checkpoint_format(path: Path) -> str:
     if not (path / CONFIG_NAME).is_file():
         raise DominoError(
             f"no drafter checkpoint at {path}: pass the folder written by training (it holds {CONFIG_NAME} and "
-            f"{WEIGHTS_NAME}), a DFlash drafter folder, or 'none' to decode without a drafter")
+            f"{WEIGHTS_NAME}) or a DFlash drafter folder")
     config = read_json(path / CONFIG_NAME)
     if "target_hidden_size" in config:
         return "domino"

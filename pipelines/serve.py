@@ -22,8 +22,8 @@ import dataclasses
 import logging
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Awaitable
-from pathlib import Path
 from typing import Any, Literal
 
 import click
@@ -40,7 +40,6 @@ from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import choice_seed
-from domino.formats import read_config
 from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.api import (ERRORS, SSE_CONTENT, ApiError, RefusalsInOneLine, ServedLimits, api, checked,
@@ -290,11 +289,16 @@ class OpenAIServer:
 
 def check_application(args: ServeArgs) -> None:
     """The target, the drafter's checkpoint (made for that target) and the verify policy it must support,
-    checked where the application is built from their configs: a replica that fails to start is retried,
-    and Serve then goes on serving nothing. So the target and a checkpoint folder must lie at the same
-    paths here and on the replicas' nodes. The weights are read by the replicas alone."""
+    checked where the application is built: a replica that fails to start is retried, and Serve then goes
+    on serving nothing. So the target and a checkpoint folder must lie at the same paths here and on the
+    replicas' nodes. The target's weights stay unread (its config and tokenizer suffice); the drafter is
+    loaded as the replicas load it, on the meta device, so damaged or mismatched weights are refused here."""
     target = Target.shape_only(args.target)
-    drafter = None if args.drafter in ("none", "oracle") else read_config(Path(args.drafter).expanduser(), target)
+    drafter = None
+    if args.drafter not in ("none", "oracle"):
+        with warnings.catch_warnings():  # Torch warns that copying weights onto the meta device does nothing
+            warnings.simplefilter("ignore", UserWarning)
+            drafter = Drafter.from_pretrained(args.drafter, target).config
     confident = drafter is not None and drafter.confidence_head
     if POLICY_CLASSES[args.verify].needs_confidence and not confident:
         raise DominoError(f"verify={args.verify} {NEEDS_CONFIDENCE_HEAD}; drafter={args.drafter} has none")

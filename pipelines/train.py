@@ -84,10 +84,11 @@ def run(cfg: PipelineConfig) -> dict:
     """Run the whole job. Returns what it measured: `drafter` (its config), `checkpoint` (the newest,
     a RunState), `epoch_tokens` (tokens in one pass over the training sequences), and when they were
     produced, `metrics` (the last training report) and `tau` (the evaluation table's rows)."""
+    target_path = resolve_target(cfg.target)  # what can be checked without Ray is, before it starts
+    drafter = drafter_config(cfg, Target.shape_only(cfg.target))
+    cfg.deepspeed()
     if connect():
         check_resources(cfg)
-    target_path = resolve_target(cfg.target)
-    drafter = drafter_config(cfg, Target.shape_only(cfg.target))
     state = checkpoints.latest(cfg)
     if state is not None:
         checkpoints.check_resumable(state, cfg, drafter)

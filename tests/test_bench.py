@@ -107,6 +107,9 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
     assert "error: no drafter checkpoint at" in capsys.readouterr().err
     assert bench.main(["engine", "--target", str(tmp_path / "gone")]) == 2
     assert "error: target" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:  # not a table of nan
+        bench.main(["load", "--url", "x=http://127.0.0.1:1", "--clients", "0"])
+    assert exit.value.code == 2 and "--clients, --requests" in capsys.readouterr().err
 
 
 def test_a_run_that_could_not_report_correctly_is_refused_before_it_decodes(tmp_path, embedded_target, capsys):

@@ -33,6 +33,8 @@ def test_config_defaults_overrides_and_files(tmp_path):
     assert (cfg.steps, cfg.run_name, cfg.lr, cfg.regenerate) == (7, "from-file", 1e-3, False)
     assert cfg.storage_uri == "s3://bucket/runs"
     assert parse_args(["storage_path=~/x"]).storage_uri.endswith("/x")
+    path.write_text("run_name: 2024\n")  # a name that YAML reads as a number is still that name
+    assert parse_args(["--config", str(path)]).run_name == parse_args(["run_name=2024"]).run_name == "2024"
     ds = cfg.deepspeed()
     assert ds["zero_optimization"]["stage"] == 2 and ds["train_micro_batch_size_per_gpu"] == cfg.batch_size
     assert ds["optimizer"]["params"]["lr"] == 1e-3 and ds["optimizer"]["params"]["torch_adam"] is True
@@ -62,6 +64,8 @@ def test_help_prints_each_default_as_the_command_line_reads_it():
     (["fail_at_step=500", "steps=100"], "fail_at_step (500) must be below steps (100)"),
     (["steps"], "expected key=value or --config FILE, got 'steps'"),
     (["--config", "/nonexistent/run.yaml"], "cannot read config file /nonexistent/run.yaml"),
+    (["data="], "data: String should have at least 1 character"),
+    (["target="], "target: String should have at least 1 character"),
     (["deepspeed_config=/nonexistent.json"], None),  # checked when the DeepSpeed config is read
 ])
 def test_bad_config_is_one_clear_line(args, message):
@@ -74,11 +78,39 @@ def test_bad_config_is_one_clear_line(args, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_config_file_must_be_a_mapping(tmp_path):
+def test_config_files_must_be_a_mapping_and_bad_yaml_is_placed(tmp_path):
     path = tmp_path / "list.yaml"
     path.write_text("- steps\n")
     with pytest.raises(DominoError, match="must hold a mapping"):
         parse_args(["--config", str(path)])
+    path.write_text("steps: 50\nlr: [1e-3\nseed: 1\n")
+    with pytest.raises(DominoError, match=r"list.yaml is not valid YAML \(line 3, column 5\)"):
+        parse_args(["--config", str(path)])
+    path.write_text("[1, 2]")
+    with pytest.raises(DominoError, match="the DeepSpeed config .*list.yaml must hold a JSON object, not a list"):
+        parse_args([f"deepspeed_config={path}"]).deepspeed()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["lookup_ngram=2", "lookup_min_ngram=3"], "lookup_min_ngram must be between 1 and lookup_ngram (2), got 3"),
+    (["deepspeed_config=/nonexistent.json"], "cannot read the DeepSpeed config /nonexistent.json"),
+])
+def test_the_main_job_refuses_a_bad_config_before_ray_starts(monkeypatch, args, message):
+    from pipelines import train
+
+    def connect():
+        raise AssertionError("Ray was started before the config was checked")
+    monkeypatch.setattr(train, "connect", connect)
+    with pytest.raises(DominoError) as error:
+        train.run(parse_args(args))
+    assert message in str(error.value)
+
+
+def test_too_few_conversations_name_the_ones_held_out():
+    from pipelines.training.data import Survey, check_survey
+
+    with pytest.raises(DominoError, match="has 1 conversations to train on.*; eval_prompts=8 holds out 7 of them"):
+        check_survey(Survey(rows=8, trainable=1, held_rows=7), PipelineConfig(batch_size=2))
 
 
 def test_rows_normalise_from_both_formats():
@@ -193,7 +225,8 @@ def test_held_out_prompts_are_the_datas_first_however_its_blocks_finish(ray_clus
 
 def test_a_json_file_may_hold_one_array_of_conversations(ray_cluster, tmp_path, tokenizer_path):
     """ShareGPT's own dumps are one JSON array, indented, in a `.json` file: its elements are the rows, in
-    their order, beside JSON Lines in the same folder; an array cut off is named in one line."""
+    their order, beside JSON Lines in the same folder, and a file of one indented conversation is one
+    row; an array cut off is named in one line."""
     folder = tmp_path / "chats"
     folder.mkdir()
     (folder / "a.json").write_text(json.dumps([conversation(i, "sharegpt") for i in range(6)], indent=2))
@@ -203,6 +236,9 @@ def test_a_json_file_may_hold_one_array_of_conversations(ray_cluster, tmp_path, 
     first = [conversation(i, "sharegpt")["conversations"][0]["value"] for i in range(2)]
     assert [json.loads(p)[0]["content"] for p in found.held_out] == first
     assert (found.rows, found.held_rows, found.trainable, sum(found.malformed.values())) == (10, 2, 8, 0)
+    (folder / "c.json").write_text(json.dumps(conversation(10, "openai"), indent=2))  # one conversation
+    found = survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
+    assert (found.rows, found.trainable, sum(found.malformed.values())) == (11, 9, 0)
     (folder / "a.json").write_text(json.dumps([conversation(0, "sharegpt")] * 3)[:-40])
     with pytest.raises(DominoError, match=r"cannot read .*: .*a.json starts as a JSON array but is not one"):
         survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)

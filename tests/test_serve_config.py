@@ -2,6 +2,7 @@
 and the application's arguments."""
 
 import importlib
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,14 @@ def test_the_builder_refuses_what_the_replicas_could_not_start_with(tmp_path, em
         build_app({"drafter": str(tmp_path / "False"), "verify": "threshold"})
     build_app({"drafter": str(tmp_path / "True"), "verify": "confidence"})
     build_app({"drafter": str(tmp_path / "False"), "verify": "gated"})
+    weights = tmp_path / "True" / "model.safetensors"  # the weights are checked too, not only the config
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(DominoError, match="the checkpoint is incomplete or corrupt"):
+        build_app({"drafter": str(tmp_path / "True")})
+    tiny_drafter(embedded_target, num_layers=1).save_pretrained(tmp_path / "one")
+    shutil.copy(tmp_path / "False" / "model.safetensors", tmp_path / "one")  # two layers
+    with pytest.raises(DominoError, match="the weights in .*one do not match its config"):
+        build_app({"drafter": str(tmp_path / "one")})
 
 
 @pytest.mark.parametrize("argument, message", [

@@ -115,6 +115,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--rounds", type=int, default=1, help="measure every server this many times, in turns")
     args = parser.parse_args(argv)
+    if min(args.clients, args.requests, args.max_tokens, args.rounds) < 1 or args.max_seconds <= 0:
+        parser.error("--clients, --requests, --max-tokens, --rounds and --max-seconds must be positive")
+    if args.temperature < 0:
+        parser.error("--temperature must not be negative")
 
     servers = dict(item.split("=", 1) if "=" in item else (item, item) for item in args.url)
     for url in servers.values():

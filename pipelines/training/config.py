@@ -26,14 +26,15 @@ EMBEDDED_DATA = "sharegpt"
 
 
 class PipelineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # a number where a string is expected (run_name=2024, from YAML or the command line) is that string
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
     # -- run ----------------------------------------------------------------------------------------
     run_name: str = Field("smollm2-sharegpt", min_length=1, description="rerunning with the same name resumes from its last checkpoint")
     storage_path: str = Field("~/domino-runs", min_length=1, description="where checkpoints go: a local folder or s3://bucket/prefix")
 
     # -- data ---------------------------------------------------------------------------------------
-    data: str = Field(EMBEDDED_DATA, description="'sharegpt' (embedded), or .jsonl/.json (JSON Lines, or one JSON array of conversations) or .parquet files: a file or folder, local or s3://")
+    data: str = Field(EMBEDDED_DATA, min_length=1, description="'sharegpt' (embedded), or .jsonl/.json (JSON Lines, or one JSON array of conversations) or .parquet files: a file or folder, local or s3://")
     max_conversations: int = Field(1200, ge=0, description="read at most this many conversations (0: all)")
     max_length: int = Field(256, ge=16, description="tokens per training sequence (longer ones are cut)")
     max_malformed_fraction: float = Field(0.05, ge=0, le=1, description="malformed rows are skipped and counted; more than this fraction is fatal")
@@ -47,7 +48,7 @@ class PipelineConfig(BaseModel):
     regenerate_batch_size: int = Field(16, ge=1, description="prompts per generate call")
 
     # -- target features ------------------------------------------------------------------------------
-    target: str = Field("smollm2-135m", description="the frozen target: embedded name, model folder or hub id")
+    target: str = Field("smollm2-135m", min_length=1, description="the frozen target: embedded name, model folder or hub id")
     feature_actors: int = Field(1, ge=1, description="actors running the target to produce features")
     feature_batch_size: int = Field(2, ge=1, description="sequences per target forward (a token's features are hundreds to thousands of times larger than its id)")
     feature_cpus: float = Field(0.75, ge=0, description="CPUs per feature or regeneration actor")
@@ -144,6 +145,8 @@ class PipelineConfig(BaseModel):
             ds = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise DominoError(f"cannot read the DeepSpeed config {path}: {error}") from None
+        if not isinstance(ds, dict):
+            raise DominoError(f"the DeepSpeed config {path} must hold a JSON object, not a {type(ds).__name__}")
         ds["train_micro_batch_size_per_gpu"] = self.batch_size
         ds["gradient_clipping"] = self.grad_clip
         optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
@@ -180,7 +183,9 @@ def read_config_file(path: str) -> dict:
     except OSError as error:
         raise DominoError(f"cannot read config file {path}: {error.strerror}") from None
     except yaml.YAMLError as error:
-        raise DominoError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise DominoError(f"config file {path} is not valid YAML{where}: {str(error).splitlines()[0]}") from None
     if values is None:
         return {}
     if not isinstance(values, dict):

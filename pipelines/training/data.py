@@ -126,19 +126,20 @@ def _embedded_sharegpt_rows(limit: int) -> list[str]:
 
 
 def json_records(file: dict) -> list[dict[str, str]]:
-    """One JSON file's rows as JSON text, a `json_line` each: the lines of JSON Lines, or the elements of a
-    top-level array (how ShareGPT's own dumps and many datasets are published, as `.json`)."""
+    """One JSON file's rows as JSON text, a `json_line` each: the elements of a top-level array (how
+    ShareGPT's own dumps and many datasets are published, as `.json`), a file that is one JSON object
+    (one conversation, however it is laid out), or else the lines of JSON Lines."""
     try:
         text = file["bytes"].decode("utf-8")
     except UnicodeDecodeError as error:
         raise DominoError(f"{file['path']} is not UTF-8 text ({error.reason} at byte {error.start})") from None
-    if not text.lstrip().startswith("["):
-        return [{"json_line": line} for line in text.splitlines() if line.strip()]
     try:
-        rows = json.loads(text)
+        whole = json.loads(text)  # JSON Lines fail fast here, at the end of their first line
     except json.JSONDecodeError as error:
-        raise DominoError(f"{file['path']} starts as a JSON array but is not one ({error})") from None
-    return [{"json_line": json.dumps(row)} for row in rows]
+        if text.lstrip().startswith("["):
+            raise DominoError(f"{file['path']} starts as a JSON array but is not one ({error})") from None
+        return [{"json_line": line} for line in text.splitlines() if line.strip()]
+    return [{"json_line": json.dumps(row)} for row in (whole if isinstance(whole, list) else [whole])]
 
 
 def read_conversations(cfg: PipelineConfig) -> ray.data.Dataset:
@@ -324,8 +325,9 @@ def check_survey(result: Survey, cfg: PipelineConfig) -> None:
                           f"max_malformed_fraction={cfg.max_malformed_fraction}: {result.summary()}")
     needed = cfg.num_workers * cfg.batch_size
     if result.trainable < needed:
+        held = f"; eval_prompts={cfg.eval_prompts} holds out {result.held_rows} of them" if result.held_rows else ""
         raise DominoError(f"{cfg.data} has {result.trainable} conversations to train on, fewer than one batch for "
-                          f"every worker ({cfg.num_workers} x batch_size {cfg.batch_size}): {result.summary()}")
+                          f"every worker ({cfg.num_workers} x batch_size {cfg.batch_size}){held}: {result.summary()}")
 
 
 def training_rows(tokenized: ray.data.Dataset, held_out: list[str], cfg: PipelineConfig) -> ray.data.Dataset:
