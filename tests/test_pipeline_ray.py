@@ -4,6 +4,7 @@ DeepSpeed ZeRO-2 trainers over gloo, a worker is killed mid-run and the run fini
 checkpoint; bad input is stopped with one clear line before any work and never costs a checkpoint."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from logging.handlers import BufferingHandler
 from pathlib import Path
 
 import pytest
@@ -218,9 +220,15 @@ def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
 ])
 def test_bad_data_stops_before_training(cluster, inputs, tmp_path, make_data, message):
     data = make_data(tmp_path)
-    with pytest.raises(DominoError, match=message) as error:
-        run(config(inputs, tmp_path / "runs", data=str(data)))
+    ray_data_log, kept = logging.getLogger("ray.data"), BufferingHandler(capacity=1000)
+    ray_data_log.addHandler(kept)
+    try:
+        with pytest.raises(DominoError, match=message) as error:
+            run(config(inputs, tmp_path / "runs", data=str(data)))
+    finally:
+        ray_data_log.removeHandler(kept)
     assert "\n" not in str(error.value)
+    assert not [r.getMessage() for r in kept.buffer if r.levelno >= logging.ERROR]  # Ray Data's say less than ours
     assert not (tmp_path / "runs").exists()
 
 

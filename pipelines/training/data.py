@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 from collections import Counter
@@ -287,6 +288,9 @@ def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig, vocab_size: int) ->
     # (the context is the dataset's own, shared with the training stream: set for this pass only)
     options = tokenized.context.execution_options
     options.preserve_order, previous = True, options.preserve_order
+    ray_data_log = logging.getLogger("ray.data")  # its ERROR lines about a failed read would precede ours
+    log_level = ray_data_log.level
+    ray_data_log.setLevel(logging.CRITICAL)
     try:
         batches = list(tokenized.select_columns(columns).iter_batches(batch_format="numpy"))
     except DominoError:
@@ -295,6 +299,7 @@ def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig, vocab_size: int) ->
         raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
     finally:
         options.preserve_order = previous
+        ray_data_log.setLevel(log_level)
     for batch in batches:
         trained = []
         for error, prompt, tokens, ids, mask in zip(*(batch[c] for c in columns)):
