@@ -70,7 +70,7 @@ def test_help_prints_each_default_as_the_command_line_reads_it():
 ])
 def test_bad_config_is_one_clear_line(args, message):
     if message is None:
-        with pytest.raises(DominoError, match="cannot read the DeepSpeed config /nonexistent.json"):
+        with pytest.raises(DominoError, match="deepspeed_config: cannot read /nonexistent.json"):
             parse_args(args).deepspeed()
         return
     with pytest.raises(DominoError) as error:
@@ -87,13 +87,13 @@ def test_config_files_must_be_a_mapping_and_bad_yaml_is_placed(tmp_path):
     with pytest.raises(DominoError, match=r"list.yaml is not valid YAML \(line 3, column 5\)"):
         parse_args(["--config", str(path)])
     path.write_text("[1, 2]")
-    with pytest.raises(DominoError, match="the DeepSpeed config .*list.yaml must hold a JSON object, not a list"):
+    with pytest.raises(DominoError, match="deepspeed_config: .*list.yaml holds a JSON list, not an object"):
         parse_args([f"deepspeed_config={path}"]).deepspeed()
 
 
 @pytest.mark.parametrize("args, message", [
     (["lookup_ngram=2", "lookup_min_ngram=3"], "lookup_min_ngram must be between 1 and lookup_ngram (2), got 3"),
-    (["deepspeed_config=/nonexistent.json"], "cannot read the DeepSpeed config /nonexistent.json"),
+    (["deepspeed_config=/nonexistent.json"], "deepspeed_config: cannot read /nonexistent.json"),
 ])
 def test_the_main_job_refuses_a_bad_config_before_ray_starts(monkeypatch, args, message):
     from pipelines import train

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from domino.config import HEAD_KINDS
 from domino.errors import DominoError
+from domino.formats import read_json
 from pipelines.training.errors import exit_status
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -142,11 +143,9 @@ class PipelineConfig(BaseModel):
         path = Path(self.deepspeed_config).expanduser()
         path = path if path.is_absolute() else REPO_ROOT / path
         try:
-            ds = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise DominoError(f"cannot read the DeepSpeed config {path}: {error}") from None
-        if not isinstance(ds, dict):
-            raise DominoError(f"the DeepSpeed config {path} must hold a JSON object, not a {type(ds).__name__}")
+            ds = read_json(path)
+        except DominoError as error:
+            raise DominoError(f"deepspeed_config: {error}") from None
         ds["train_micro_batch_size_per_gpu"] = self.batch_size
         ds["gradient_clipping"] = self.grad_clip
         optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
