@@ -10,7 +10,7 @@ dies mid-stream still gets an error event, and a client that disconnects has its
 
     serve run pipelines.serve:app                                   # the embedded target, no drafter
     serve run pipelines.serve:build_app drafter=$HOME/domino-runs/smollm2-sharegpt/step_000320/drafter num_cpus=2
-    serve deploy cluster/serve.yaml                                  # a running cluster, autoscaling
+    RAY_AUTH_MODE=token serve deploy cluster/serve.yaml              # a running cluster, autoscaling
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events, `n` choices as rows of the batch, and logprobs), GET /v1/models, GET /v1/models/{model}, GET /health. A request

@@ -1,7 +1,7 @@
 """The main job: train a Domino drafter with target features streamed from Ray Data into Ray Train.
 
     python pipelines/train.py [--config FILE] [key=value ...]
-    ray job submit --working-dir . -- python pipelines/train.py [key=value ...]
+    RAY_AUTH_MODE=token ray job submit --working-dir . -- python pipelines/train.py [key=value ...]
     python pipelines/train.py --help        # every config key with its default
 
 read conversations -> tokenise (assistant-only loss) -> [target regenerates the answers] ->
