@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from domino.config import DrafterConfig
@@ -92,7 +92,22 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (OSError, SafetensorError) as error:
-        raise DominoError(f"cannot read {path}, the checkpoint is incomplete or corrupt: {error}") from None
+        raise unreadable(path, error) from None
+
+
+def check_safetensors(folder: Path) -> None:
+    """Open every safetensors file in `folder` by its header alone (mapped, not read), which names a file
+    cut short or corrupt, so that it is refused where a job starts rather than where the weights load."""
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (OSError, SafetensorError) as error:
+            raise unreadable(path, error) from None
+
+
+def unreadable(path: Path, error: Exception) -> DominoError:
+    return DominoError(f"cannot read {path}, the checkpoint is incomplete or corrupt: {error}")
 
 
 def checkpoint_format(path: Path) -> str:

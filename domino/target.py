@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from domino.embedded import EMBEDDED_TARGETS, convert_embedded
 from domino.errors import DominoError
+from domino.formats import check_safetensors
 from domino.packed_linear import pack_linear_layers
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -134,9 +135,12 @@ class Target:
     @classmethod
     def shape_only(cls, name_or_path: str = DEFAULT_TARGET) -> "Target":
         """The target's config and tokenizer, its weights left on the meta device: enough to size or check a
-        drafter where the model itself is not needed (the training job's driver, Serve's application builder)."""
+        drafter where the model itself is not needed (the training job's driver, Serve's application builder).
+        A local model's safetensors files are checked by their headers, so a damaged one is named here."""
         resolved = resolve_target(name_or_path)
         config = causal_lm_config(resolved, name_or_path)
+        if Path(resolved).is_dir():
+            check_safetensors(Path(resolved))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         return cls(model, AutoTokenizer.from_pretrained(resolved), name_or_path)

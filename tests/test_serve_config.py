@@ -41,6 +41,7 @@ def test_the_builder_refuses_what_the_replicas_could_not_start_with(tmp_path, em
     from domino.errors import DominoError
     from pipelines.serve import build_app
     from helpers import tiny_drafter, tiny_target
+    from pipeline_helpers import save_tiny_chat_target
 
     with pytest.raises(DominoError, match="no drafter checkpoint at"):
         build_app({"drafter": str(tmp_path / "gone")})
@@ -65,6 +66,11 @@ def test_the_builder_refuses_what_the_replicas_could_not_start_with(tmp_path, em
     shutil.copy(tmp_path / "False" / "model.safetensors", tmp_path / "one")  # two layers
     with pytest.raises(DominoError, match="the weights in .*one do not match its config"):
         build_app({"drafter": str(tmp_path / "one")})
+    target = save_tiny_chat_target(tmp_path / "target")  # the target's weights by their headers alone
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(DominoError, match="target/model.safetensors, the checkpoint is incomplete or corrupt"):
+        build_app({"target": str(target)})
 
 
 @pytest.mark.parametrize("argument, message", [
