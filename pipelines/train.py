@@ -72,11 +72,21 @@ def check_resources(cfg: PipelineConfig) -> None:
                               f"{have.get(name, 0):g}: lower those keys, or submit the job to a cluster that has them")
 
 
+def kept_checkpoints(cfg: PipelineConfig) -> str:
+    last = checkpoints.latest(cfg)
+    return f"checkpoints up to step {last.step} are kept in {last.uri}" if last else "no checkpoint was written"
+
+
 def quiet_ray_notices() -> None:
     """Run in the driver and in every worker of the local cluster the job starts: notices a user can do
     nothing about (Ray Train's own use of an option Ray Data deprecated; that the progress bars the job
-    turned off are off) stay out of the job's output."""
+    turned off are off) stay out of the job's output, and so does Ray Train's note on resuming, which
+    suggests deleting the run's folder (the job's own line says which checkpoint it resumes from)."""
+    from ray.train.v2._internal.execution.checkpoint import checkpoint_manager
+
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # a filter, not a level: Ray Train's controller loads a logging config that resets its loggers' levels
+    logging.getLogger(checkpoint_manager.__name__).addFilter(lambda record: record.levelno >= logging.WARNING)
     warnings.filterwarnings("ignore", message=".*exclude_resources", category=RayDeprecationWarning)
 
 
@@ -127,9 +137,10 @@ def run(cfg: PipelineConfig) -> dict:
         try:
             result = fit(cfg, stream, target_path, vocabulary)
         except ray.train.TrainingFailedError as error:
-            last = checkpoints.latest(cfg)
-            kept = f"checkpoints up to step {last.step} are kept in {last.uri}" if last else "no checkpoint was written"
-            raise DominoError(f"training failed: {root_cause(error)} ({kept})") from None
+            raise DominoError(f"training failed: {root_cause(error)} ({kept_checkpoints(cfg)})") from None
+        except KeyboardInterrupt:
+            print(f"[train] stopped: {kept_checkpoints(cfg)}", flush=True)
+            raise
         outcome["metrics"] = result.metrics
         state = checkpoints.latest(cfg)
     outcome["checkpoint"] = state

@@ -90,7 +90,8 @@ def cluster():
     head, ports = start_head(root, env)
     try:
         ray.init(address=f"127.0.0.1:{ports['port']}", logging_level="warning")
-        yield {"root": root, "env": env, "dashboard": f"http://127.0.0.1:{ports['dashboard-port']}"}
+        yield {"root": root, "env": env, "dashboard": f"http://127.0.0.1:{ports['dashboard-port']}",
+               "address": f"127.0.0.1:{ports['port']}"}
     finally:
         ray.shutdown()
         head.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops everything it started
@@ -205,6 +206,26 @@ def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
     with pytest.raises(DominoError, match="does not exist"):
         run(config(inputs, storage, data=str(storage / "missing.jsonl")))
     assert {p: p.stat().st_mtime for p in files_under(run_dir)} == before
+
+
+def test_ctrl_c_while_training_ends_in_one_line(cluster, inputs, tmp_path):
+    """Ray Train answers Ctrl-C by aborting the run, after which its driver's wait ended in SystemExit(1):
+    the job exited 1 without a word. It must say what is kept and exit 130, as at any other moment. (Sent
+    as the trainer starts: the same path as later, without the minute the feature actors take to start.)"""
+    values = settings(inputs, tmp_path / "runs", num_workers=1, steps=400)
+    job = subprocess.Popen([sys.executable, "pipelines/train.py", *(f"{k}={v}" for k, v in values.items())], cwd=REPO,
+                           env={**cluster["env"], "RAY_ADDRESS": cluster["address"]}, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if "[train] 1 worker(s)" in line:  # the trainer runs: Ray Train's own SIGINT handler is in place
+            job.send_signal(signal.SIGINT)
+            break
+    out = "".join(seen) + job.communicate(timeout=120)[0]
+    assert job.returncode == 130, out[-3000:]
+    assert "[train] stopped: no checkpoint was written" in out and "Traceback" not in out
+    assert "interrupted: the checkpoints written so far are kept, and the same command resumes" in out
 
 
 @pytest.mark.parametrize("make_data, message", [

@@ -288,6 +288,16 @@ def test_a_resumed_run_finishes_the_plan_its_budget_cut(minutes, planned, length
     assert state.finished(cfg) and not checkpoints.RunState(**{**vars(state), "step": length - 1}).finished(cfg)
 
 
+def test_a_rerun_names_every_setting_changed_since_its_checkpoint_steps_too():
+    """Raising `steps` extends a finished run, so the resume line says so, like any other change."""
+    written = PipelineConfig(steps=60)
+    state = checkpoints.RunState(uri="", step=60, planned_steps=60, world_size=1, drafter=None,
+                                 config=written.model_dump())
+    assert state.changed(written) == "" and state.finished(written)
+    longer = PipelineConfig(steps=80, lr=1e-3)
+    assert state.changed(longer) == "steps 60 -> 80, lr 0.002 -> 0.001" and not state.finished(longer)
+
+
 def test_a_command_interrupted_with_ctrl_c_ends_in_one_line(capsys):
     from pipelines.training.errors import exit_status
 

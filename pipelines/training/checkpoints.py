@@ -88,7 +88,7 @@ class RunState:
     def changed(self, cfg: PipelineConfig) -> str:
         """The keys this run now sets otherwise than when its checkpoint was written ('' when none)."""
         now = cfg.model_dump()
-        keys = [k for k in now if k in self.config and k != "steps" and self.config[k] != now[k]]
+        keys = [k for k in now if k in self.config and self.config[k] != now[k]]
         return ", ".join(f"{k} {self.config[k]} -> {now[k]}" for k in keys)
 
     def finished(self, cfg: PipelineConfig) -> bool:

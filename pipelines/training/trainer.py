@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import time
 from collections import deque
 
@@ -252,6 +253,8 @@ def train_worker(config: dict) -> None:
         if done % cfg.checkpoint_every == 0 or done == tc.steps:
             with checkpoints.saved(engine, drafter, done, tc.steps, rank, world, cfg) as checkpoint:
                 ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=checkpoints.step_dir_name(done))
+            if rank == 0:
+                print(f"[train] checkpoint at step {done} saved", flush=True)
 
     def fewest(steps: int) -> int:
         """The step count every worker can finish within the time budget."""
@@ -275,4 +278,12 @@ def fit(cfg: PipelineConfig, dataset: ray.data.Dataset, target_path: str,
                              failure_config=FailureConfig(max_failures=cfg.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints)),
         datasets={"train": dataset})
-    return trainer.fit()
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        return trainer.fit()
+    except SystemExit:
+        # Ctrl-C: Ray Train's own SIGINT handler aborts the run, and the driver's wait for it then ends in
+        # SystemExit(1); raised as the interrupt it is, the command ends with its one line and status 130
+        raise KeyboardInterrupt from None
+    finally:
+        signal.signal(signal.SIGINT, previous)  # Ray Train leaves its handler, tied to the finished run
