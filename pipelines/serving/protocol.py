@@ -107,6 +107,10 @@ class GenerationRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, decoded side by side")
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="needs stream: true")
+    # sent by some OpenAI clients whatever the user asked: accepted where they change no output
+    user: Text | None = Field(None, description="an end-user id: accepted, and changes no output")
+    presence_penalty: Literal[0] = Field(0, description="only 0, no penalty (penalties are not supported)")
+    frequency_penalty: Literal[0] = Field(0, description="only 0, no penalty (penalties are not supported)")
 
     @model_validator(mode="after")
     def _flags_on(self) -> "GenerationRequest":
