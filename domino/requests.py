@@ -95,15 +95,16 @@ class GenerationStats:
     @classmethod
     def combined(cls, parts: list["GenerationStats"]) -> "GenerationStats":
         """The statistics of one request's several choices (rows decoded side by side): counts and
-        compute times add up; the wall time is the longest choice's."""
+        prefills (one per choice) add up; drafting and verifying are forwards the choices share, each
+        timed in full by every row in it, so they and the wall time are the longest choice's."""
         width = max((len(p.proposed) for p in parts), default=0)
         return cls(prompt_tokens=parts[0].prompt_tokens, new_tokens=sum(p.new_tokens for p in parts),
                    accept_lengths=[n for p in parts for n in p.accept_lengths],
                    proposed=[sum(p.proposed[k] for p in parts if k < len(p.proposed)) for k in range(width)],
                    accepted=[sum(p.accepted[k] for p in parts if k < len(p.accepted)) for k in range(width)],
                    accepted_copies=sum(p.accepted_copies for p in parts),
-                   prefill_s=sum(p.prefill_s for p in parts), draft_s=sum(p.draft_s for p in parts),
-                   verify_s=sum(p.verify_s for p in parts), total_s=max(p.total_s for p in parts))
+                   prefill_s=sum(p.prefill_s for p in parts), draft_s=max(p.draft_s for p in parts),
+                   verify_s=max(p.verify_s for p in parts), total_s=max(p.total_s for p in parts))
 
 
 @dataclass

@@ -144,7 +144,7 @@ def run(cfg: PipelineConfig) -> dict:
         outcome["metrics"] = result.metrics
         state = checkpoints.latest(cfg)
     outcome["checkpoint"] = state
-    print(f"[train] drafter exported to {state.drafter_uri}", flush=True)
+    print(f"[train] drafter {'exported to' if 'metrics' in outcome else 'of that step:'} {state.drafter_uri}", flush=True)
 
     if found.held_out:
         drafters = {"untrained": (None, None), f"trained (step {state.step})": (state.drafter_uri, None)}

@@ -53,7 +53,13 @@ def test_tiny_end_to_end_run(tmp_path, embedded_target):
     assert all(r["lossless"] for r in rows.values())
     assert rows[("oracle", "humaneval")]["tau"] > 1
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
-    assert "| two | oracle |" in (out / "results.md").read_text()
+    table = (out / "results.md").read_text()
+    assert "| two | oracle |" in table
+    header, _, *lines = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    columns = header.index("prefill"), header.index("other")  # the time split, whole: its shares add to 100%
+    for line in lines:
+        if line[columns[0]] != "-":
+            assert sum(int(share.rstrip("%")) for share in line[columns[0]:columns[1] + 1]) in range(98, 103)
 
 
 def test_several_verify_policies_run_side_by_side(tmp_path, embedded_target):

@@ -198,6 +198,7 @@ def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
     assert "metrics" not in run(config(inputs, storage, regenerate=True, lr=1e-3, **BUDGETED))
     out = capfd.readouterr().out
     assert f"already trained to step {submitted['fitted']}" in out and "lr 0.003 -> 0.001" in out  # a setting it did not train with
+    assert "[train] drafter of that step: " in out and "exported" not in out  # nothing new was written
     # another drafter under the same name is refused before any work, and so is bad data
     with pytest.raises(DominoError, match=r"trained another drafter \(block_size 4 -> 6\)"):
         run(config(inputs, storage, block_size=6))

@@ -558,7 +558,10 @@ def test_sdk_n_choices_are_rows_with_their_own_seeds(client):
     assert [c.index for c in several.choices] == [0, 1, 2]
     assert several.choices[0].message.content == single.choices[0].message.content  # choice 0 keeps the seed
     assert len({c.message.content for c in several.choices}) > 1
-    assert several.usage.completion_tokens == several.model_extra["metrics"]["new_tokens"]
+    metrics = several.model_extra["metrics"]
+    assert several.usage.completion_tokens == metrics["new_tokens"]
+    # the choices share their draft and verify forwards: timed once, within the request's wall time
+    assert metrics["draft_s"] + metrics["verify_s"] <= metrics["total_s"], metrics
     streamed = list(client.chat.completions.create(**kwargs, n=3, stream=True))
     for i in range(3):
         text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i)

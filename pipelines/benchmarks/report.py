@@ -104,15 +104,15 @@ def machine() -> str:
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| dataset | method | tokens/s | speedup | tau | acceptance @1..4 | accepted drafts copied | draft | verify | "
-             "other | lossless |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| dataset | method | tokens/s | speedup | tau | acceptance @1..4 | accepted drafts copied | prefill | draft | "
+             "verify | other | lossless |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         share = (lambda x: f"{100 * x / r.seconds:.0f}%") if r.seconds else (lambda x: "-")
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         acceptance = " ".join(f"{a:.2f}" for a in r.acceptance[:4]) or "-"
         copied = f"{100 * r.copied_share:.0f}%" if r.copied_share is not None else "-"
-        split = [share(r.draft_s), share(r.verify_s), share(r.other_s)] if r.rounds else ["-", "-", "-"]
+        split = [share(r.prefill_s), share(r.draft_s), share(r.verify_s), share(r.other_s)] if r.rounds else ["-"] * 4
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
         lossless = {True: "yes", False: "NO", None: "-"}[r.lossless]
         lines.append(f"| {r.dataset} | {r.method} | {r.tokens_per_second:.1f} | {speedup} | {tau} | {acceptance} | {copied} | "
