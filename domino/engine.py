@@ -1,7 +1,9 @@
 """The decoding engine: lossless speculative decoding for a batch of requests (continuous batching).
 
-Each `step` admits waiting requests (prefill: one target forward over the prompt, capturing the
-drafter's features, and the first token), then runs one round for every request in flight:
+Each `step` prefills waiting requests (target forwards over the prompt, capturing the drafter's
+features, then the first token; a long prompt takes PREFILL_CHUNK tokens per step, so the rows in
+flight go on between its chunks and a short request can join before it), then runs one round for
+every request in flight:
 
   draft a block for all rows at once -> choose how many drafts each row verifies -> verify all rows in
   one target forward -> accept per row (greedy match or speculative sampling, verify.py) -> keep the
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 PAD = 0  # token id fed in padding slots; they are masked out everywhere
+# prompt tokens a waiting request prefills per step: on 2 CPU cores a 7 800-token prompt prefilled at once
+# held every other request for about 30 s
+PREFILL_CHUNK = 512
 NOT_FINITE = "the target's logits for this request are not finite (NaN or inf): the model overflowed on its input"
 
 
@@ -47,6 +52,14 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     best = logp.topk(top, dim=-1) if top else None
     return [TokenLogprob(token, value, list(zip(best.indices[j].tolist(), best.values[j].tolist())) if top else [])
             for j, (token, value) in enumerate(zip(tokens, chosen))]
+
+
+@dataclass
+class Prefill:
+    """A waiting request's prefill so far: the target's cache, the drafter's staged context, tokens done."""
+    cache: DynamicCache
+    context: ContextCache | None
+    done: int = 0
 
 
 @dataclass
@@ -99,6 +112,7 @@ class DecodingEngine:
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.layer_ids = drafter.config.target_layer_ids if isinstance(drafter, Drafter) else []
         self.pending: dict[str, RequestState] = {}
+        self.prefills: dict[str, Prefill] = {}  # of the pending requests whose prefill has begun
         self.ids: list[str] = []  # request id of each batch row
         self.states: dict[str, RequestState] = {}
         self.anchors: list[int] = []  # each row's last committed token, not yet fed to the target
@@ -116,6 +130,7 @@ class DecodingEngine:
     def cancel(self, request_id: str) -> None:
         """Drop a request (e.g. its client went away); it does no further work."""
         self.pending.pop(request_id, None)
+        self.prefills.pop(request_id, None)
         if request_id in self.states:
             self._retire([request_id])
 
@@ -125,13 +140,16 @@ class DecodingEngine:
 
     def step(self) -> list[Event]:
         events, joining = [], []
-        while self.pending and (self.max_rows is None or len(self.ids) < self.max_rows):
-            # each leaves the queue before its prefill, whatever becomes of it
-            request_id = next(iter(self.pending))
-            event, caches = self._admit(request_id, self.pending.pop(request_id))
-            events.append(event)
-            if caches is not None:
-                joining.append(caches)
+        for request_id in list(self.pending):  # first come, first prefilled
+            if self.max_rows is not None and len(self.ids) >= self.max_rows:
+                break
+            admitted = self._admit(request_id, self.pending[request_id])
+            if admitted is not None:  # its prefill is over: it leaves the queue, whatever became of it
+                del self.pending[request_id]
+                event, caches = admitted
+                events.append(event)
+                if caches is not None:
+                    joining.append(caches)
         if joining:  # the batch's caches are copied once for all the rows that join
             if self.caches is None:
                 self.caches = joining.pop(0)
@@ -143,47 +161,56 @@ class DecodingEngine:
 
     # -- prefill ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def _admit(self, request_id: str, state: RequestState) -> tuple[Event, BatchCaches | None]:
-        """Prefill one request and give it a batch row (its ids, state and anchor); its caches, returned,
-        are the row's, for the caller to join to the batch (None when it finished at once). A prefill that
-        raises (out of memory on a long prompt, say) fails this request alone: nothing of it has joined."""
-        state.started = time.perf_counter()
+    def _admit(self, request_id: str, state: RequestState) -> tuple[Event, BatchCaches | None] | None:
+        """Prefill the next chunk of one request's prompt; after the last, give it a batch row (its ids,
+        state and anchor) and return its event and caches, the row's, for the caller to join to the batch
+        (None when it finished at once). None while chunks remain. A prefill that raises (out of memory
+        on a long prompt, say) fails this request alone: nothing of it has joined."""
+        first = logprobs = None
         try:
-            if self.drafter == "oracle":  # outside the request's clock: it stands for a perfect drafter
-                state.reference = self._greedy_continuation(state)
+            if request_id not in self.prefills:
                 state.started = time.perf_counter()
-            cache, context, first, logprobs = self._prefill(state)
+                if self.drafter == "oracle":  # outside the request's clock: it stands for a perfect drafter
+                    state.reference = self._greedy_continuation(state)
+                    state.started = time.perf_counter()
+                self.prefills[request_id] = self._new_prefill(state)
+            logits = self._prefill_chunk(state, self.prefills[request_id])
+            if logits is None:
+                return None
+            first, logprobs = self._first_token(state, logits)
         except Exception as error:
             state.fail(f"the prefill failed ({type(error).__name__})")
-            first = None
+        prefill = self.prefills.pop(request_id, None)
         tokens, text = state.commit([first], logprobs) if first is not None else ([], "")
         joining = None
         if not state.finished:
-            joining = BatchCaches(cache, context, torch.ones(1, len(state.prompt), dtype=torch.bool,
-                                                             device=self.target.device))
+            joining = BatchCaches(prefill.cache, prefill.context, torch.ones(1, len(state.prompt), dtype=torch.bool,
+                                                                             device=self.target.device))
             self.ids.append(request_id)
             self.states[request_id] = state
             self.anchors.append(int(first))
         state.stats.total_s = time.perf_counter() - state.started
         return event(request_id, state, tokens, text), joining
 
-    def _prefill(self, state: RequestState) -> tuple[DynamicCache, ContextCache | None, int | None, list | None]:
-        """The prompt through the target (and its features into the drafter's context): the target's
-        cache, the drafter's, and the first token with its log-probabilities (None if the logits broke)."""
-        start = state.started
-        target = self.target
-        prompt = torch.tensor([state.prompt], device=target.device)
-        cache = target.new_cache()
-        out = target.forward(prompt, cache, layer_ids=self.layer_ids, last_logits_only=True)
-        first, logprobs = self._first_token(state, out.logits[:, -1])
-        state.stats.prefill_s = time.perf_counter() - start
-
+    def _new_prefill(self, state: RequestState) -> Prefill:
         context = None
         if isinstance(self.drafter, Drafter):  # projected when first drafted: a large batch may never draft
             context = ContextCache(project=self.drafter.context_kv)
-            context.stage(out.features, torch.arange(prompt.shape[1], device=prompt.device)[None])
             state.history = self.drafter.new_history(state.prompt)
-        return cache, context, first, logprobs
+        return Prefill(self.target.new_cache(), context)
+
+    def _prefill_chunk(self, state: RequestState, prefill: Prefill) -> torch.Tensor | None:
+        """The next PREFILL_CHUNK prompt tokens through the target, appended to the prefill's caches (their
+        features staged for the drafter's context); the logits after the prompt once it is all in."""
+        start = time.perf_counter()
+        end = min(prefill.done + PREFILL_CHUNK, len(state.prompt))
+        chunk = torch.tensor([state.prompt[prefill.done:end]], device=self.target.device)
+        out = self.target.forward(chunk, prefill.cache, layer_ids=self.layer_ids, last_logits_only=True)
+        if prefill.context is not None:
+            prefill.context.stage(out.features, torch.arange(prefill.done, end, device=chunk.device)[None])
+        prefill.done = end
+        state.stats.prefill_s += time.perf_counter() - start
+        return out.logits[:, -1] if end == len(state.prompt) else None
 
     def _first_token(self, state: RequestState, logits: torch.Tensor) -> tuple[int | None, list[TokenLogprob] | None]:
         """The token after the prompt and its log-probabilities; None when the logits are broken (the

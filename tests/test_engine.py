@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import domino.engine as engine_module
 from domino.engine import DecodingEngine
 from domino.errors import DominoError
 from domino.requests import GenerationConfig
@@ -48,8 +49,10 @@ def run_batch(engine, requests, join_at=None, cancel=None):
     return got
 
 
+@pytest.mark.parametrize("chunk", [engine_module.PREFILL_CHUNK, 5])  # 5: prompts of up to 39 tokens join in chunks
 @pytest.mark.parametrize("drafter", ["domino", "domino-lookup", "noisy-oracle", "none"])
-def test_batched_greedy_outputs_equal_each_requests_own(target, drafter):
+def test_batched_greedy_outputs_equal_each_requests_own(target, drafter, chunk, monkeypatch):
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", chunk)
     prompts = list(random_prompts(7, seed=11))
     requests = {}
     for i, prompt in enumerate(prompts):
@@ -68,6 +71,26 @@ def test_batched_greedy_outputs_equal_each_requests_own(target, drafter):
         stop = config.stop_token_ids[0] if config.stop_token_ids else None
         assert got[rid] == hf_greedy(target, prompt, config.max_new_tokens, stop=stop), rid
     assert engine.caches is None and not engine.states  # everything retired
+
+
+def test_a_long_prompt_prefills_in_chunks_while_the_batch_goes_on(target, monkeypatch):
+    """A prompt of 8 chunks joins over 8 steps: the row in flight commits tokens at each of them, and a
+    short request that came after the long one starts first."""
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 5)
+    engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=4).double())
+    config = GenerationConfig(max_new_tokens=30, stop_token_ids=[])
+    engine.add("early", [1, 2, 3], config)
+    engine.step()
+    engine.add("long", list(range(40)), config)
+    engine.add("short", [4, 5, 6], config)
+    started = {}
+    for step in range(8):
+        events = {e.request_id: e for e in engine.step()}
+        assert events["early"].tokens, step  # the batch goes on between the long prompt's chunks
+        for rid in ("long", "short"):
+            if rid in events:
+                started.setdefault(rid, step)
+    assert started == {"short": 0, "long": 7}
 
 
 def test_requests_beyond_max_rows_wait_their_turn(target):
