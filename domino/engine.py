@@ -87,14 +87,17 @@ class DecodingEngine:
     round (default 16); a Drafter has its own block (None, or its config's value). `policy` decides per
     round how many drafts each request verifies (scheduler.py; default: all of them). `max_rows`: the
     most requests decoded together (their caches grow with every row); later ones wait in the queue,
-    first come first served (None: no limit)."""
+    first come first served (None: no limit). `prefill_chunk`: prompt tokens a waiting request prefills
+    per step."""
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int | None = None,
-                 policy=None, max_rows: int | None = None):
+                 policy=None, max_rows: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
         target.check_batchable()
         if max_rows is not None and max_rows < 1:
             raise DominoError(f"max_rows must be at least 1, got {max_rows}")
-        self.max_rows = max_rows
+        if prefill_chunk < 1:
+            raise DominoError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        self.max_rows, self.prefill_chunk = max_rows, prefill_chunk
         if isinstance(drafter, Drafter):
             drafter.config.check_target(target)
             if block_size not in (None, drafter.config.block_size):
@@ -200,10 +203,10 @@ class DecodingEngine:
         return Prefill(self.target.new_cache(), context)
 
     def _prefill_chunk(self, state: RequestState, prefill: Prefill) -> torch.Tensor | None:
-        """The next PREFILL_CHUNK prompt tokens through the target, appended to the prefill's caches (their
+        """The next `prefill_chunk` prompt tokens through the target, appended to the prefill's caches (their
         features staged for the drafter's context); the logits after the prompt once it is all in."""
         start = time.perf_counter()
-        end = min(prefill.done + PREFILL_CHUNK, len(state.prompt))
+        end = min(prefill.done + self.prefill_chunk, len(state.prompt))
         chunk = torch.tensor([state.prompt[prefill.done:end]], device=self.target.device)
         out = self.target.forward(chunk, prefill.cache, layer_ids=self.layer_ids, last_logits_only=True)
         if prefill.context is not None:

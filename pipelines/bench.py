@@ -17,6 +17,7 @@ COMMANDS = {
     "ablation": ("side_by_side", "ablation", "train Domino's head ablation with the pipeline, then run its drafters"),
     "engine": ("engine", "main", "the decoding loop alone at batch 1: plain, oracle drafts and drafter checkpoints"),
     "batching": ("batching", "main", "continuous batching of concurrent requests against one at a time"),
+    "prefill": ("prefill", "main", "short requests beside a long prompt: chunked prefill against all at once"),
     "load": ("load", "main", "concurrent OpenAI clients against live Serve endpoints: latency and errors"),
     "pipeline": ("pipeline", "main", "the training pipeline's throughput and memory (no feature cache)"),
     "drafter-costs": ("drafter_costs", "main", "one draft against one target decode step"),

@@ -37,7 +37,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from domino.config import MAX_BLOCK_SIZE
 from domino.drafter import Drafter
-from domino.engine import DecodingEngine
+from domino.engine import PREFILL_CHUNK, DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import choice_seed
 from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, make_policy
@@ -75,6 +75,8 @@ class ServeArgs(BaseModel):
                                                           "measures (verify=gated or confidence)")
     max_rows: int = Field(64, ge=1, description="the most choices a replica decodes together (each holds a cache "
                                                 "row); more wait their turn in its queue")
+    prefill_chunk: int = Field(PREFILL_CHUNK, ge=1, description="prompt tokens a waiting request prefills per engine "
+                                                                "step: the batch decodes between a long prompt's chunks")
 
     @property
     def served_name(self) -> str:
@@ -97,7 +99,7 @@ def load_engine(args: ServeArgs) -> DecodingEngine:
         drafter = drafter.to(target.model.dtype)
     policy = make_policy(args.verify, target, threshold=args.threshold, max_tokens=args.max_batch_tokens)
     return DecodingEngine(target, None if drafter == "none" else drafter, block_size=args.block_size,
-                          policy=policy, max_rows=args.max_rows)
+                          policy=policy, max_rows=args.max_rows, prefill_chunk=args.prefill_chunk)
 
 
 @serve.deployment(max_ongoing_requests=32)

@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import domino.engine as engine_module
-from domino.engine import DecodingEngine
+from domino.engine import PREFILL_CHUNK, DecodingEngine
 from domino.errors import DominoError
 from domino.requests import GenerationConfig
 from domino.sampling import SamplingParams
@@ -49,10 +48,9 @@ def run_batch(engine, requests, join_at=None, cancel=None):
     return got
 
 
-@pytest.mark.parametrize("chunk", [engine_module.PREFILL_CHUNK, 5])  # 5: prompts of up to 39 tokens join in chunks
+@pytest.mark.parametrize("chunk", [PREFILL_CHUNK, 5])  # 5: prompts of up to 39 tokens join in chunks
 @pytest.mark.parametrize("drafter", ["domino", "domino-lookup", "noisy-oracle", "none"])
-def test_batched_greedy_outputs_equal_each_requests_own(target, drafter, chunk, monkeypatch):
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", chunk)
+def test_batched_greedy_outputs_equal_each_requests_own(target, drafter, chunk):
     prompts = list(random_prompts(7, seed=11))
     requests = {}
     for i, prompt in enumerate(prompts):
@@ -61,11 +59,12 @@ def test_batched_greedy_outputs_equal_each_requests_own(target, drafter, chunk, 
         requests[f"r{i}"] = (prompt, config)
     if drafter.startswith("domino"):  # with lookup, rows copy from their own text while others draft
         lookup = 2 if drafter == "domino-lookup" else 0
-        engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=6, lookup_ngram=lookup).double())
+        engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=6, lookup_ngram=lookup).double(),
+                                prefill_chunk=chunk)
     elif drafter == "noisy-oracle":
-        engine = NoisyOracle(target, "oracle", block_size=6)
+        engine = NoisyOracle(target, "oracle", block_size=6, prefill_chunk=chunk)
     else:
-        engine = DecodingEngine(target, None)
+        engine = DecodingEngine(target, None, prefill_chunk=chunk)
     got = run_batch(engine, requests, join_at={"r4": 2, "r5": 3, "r6": 9})
     for rid, (prompt, config) in requests.items():
         stop = config.stop_token_ids[0] if config.stop_token_ids else None
@@ -73,11 +72,10 @@ def test_batched_greedy_outputs_equal_each_requests_own(target, drafter, chunk, 
     assert engine.caches is None and not engine.states  # everything retired
 
 
-def test_a_long_prompt_prefills_in_chunks_while_the_batch_goes_on(target, monkeypatch):
+def test_a_long_prompt_prefills_in_chunks_while_the_batch_goes_on(target):
     """A prompt of 8 chunks joins over 8 steps: the row in flight commits tokens at each of them, and a
     short request that came after the long one starts first."""
-    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 5)
-    engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=4).double())
+    engine = DecodingEngine(target, tiny_drafter(target, head="domino", block_size=4).double(), prefill_chunk=5)
     config = GenerationConfig(max_new_tokens=30, stop_token_ids=[])
     engine.add("early", [1, 2, 3], config)
     engine.step()
@@ -111,6 +109,8 @@ def test_requests_beyond_max_rows_wait_their_turn(target):
     assert got == {f"r{i}": hf_greedy(target, p, 6 + 3 * i) for i, p in enumerate(prompts)}
     with pytest.raises(DominoError, match="max_rows must be at least 1"):
         DecodingEngine(target, max_rows=0)
+    with pytest.raises(DominoError, match="prefill_chunk must be at least 1"):
+        DecodingEngine(target, prefill_chunk=0)
 
 
 def test_cancelled_request_does_no_further_work(target):
