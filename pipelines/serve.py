@@ -293,8 +293,9 @@ def check_application(args: ServeArgs) -> None:
     """The target, the drafter's checkpoint (made for that target) and the verify policy it must support,
     checked where the application is built: a replica that fails to start is retried, and Serve then goes
     on serving nothing. So the target and a checkpoint folder must lie at the same paths here and on the
-    replicas' nodes. The target's weights stay unread (its config and tokenizer suffice); the drafter is
-    loaded as the replicas load it, on the meta device, so damaged or mismatched weights are refused here."""
+    replicas' nodes. The target's weights are not loaded, only their files' headers checked (shape_only);
+    the drafter is loaded as the replicas load it, on the meta device, so damaged or mismatched weights
+    are refused here."""
     target = Target.shape_only(args.target)
     drafter = None
     if args.drafter not in ("none", "oracle"):
