@@ -139,24 +139,16 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     raise DominoError(f"{path} has no {WEIGHTS_NAME}: the checkpoint is incomplete")
 
 
-def read_config(path: str | Path, target: "Target") -> DrafterConfig:
-    """The drafter config of a domino or DFlash checkpoint folder, refused if made for another target;
-    the weights are not read (a shape-only target does)."""
+def read_checkpoint(path: str | Path, target: "Target") -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """The drafter config and our-named weights of a domino or DFlash checkpoint folder for `target`,
+    refused if made for another target."""
     path = Path(path)
     if checkpoint_format(path) == "domino":
         config = DrafterConfig.load(path / CONFIG_NAME)
         config.check_target(target)
-        return config
-    return dflash_config(read_json(path / CONFIG_NAME), path, target)
-
-
-def read_checkpoint(path: str | Path, target: "Target") -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
-    """The drafter config and our-named weights of a domino or DFlash checkpoint folder for `target`."""
-    path = Path(path)
-    config, weights = read_config(path, target), read_weights(path)
-    if checkpoint_format(path) == "dflash":
-        weights = dflash_weights(weights, path)
-    return config, weights
+        return config, read_weights(path)
+    config = dflash_config(read_json(path / CONFIG_NAME), path, target)
+    return config, dflash_weights(read_weights(path), path)
 
 
 def dflash_value(config: dict, name: str, default: Any = None) -> Any:

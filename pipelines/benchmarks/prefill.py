@@ -13,6 +13,7 @@ import statistics
 import time
 
 from domino.engine import PREFILL_CHUNK, DecodingEngine
+from domino.errors import DominoError
 from domino.requests import GenerationConfig
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks import HelpFormatter
@@ -24,7 +25,7 @@ def long_prompt(target: Target, tokens: int) -> list[int]:
     text = "\n\n".join(turn for conversation in load_prompt_set("sharegpt", 400).conversations for turn in conversation)
     ids = target.tokenizer(text)["input_ids"]
     if len(ids) < tokens:
-        raise SystemExit(f"the ShareGPT prompts hold {len(ids)} tokens, fewer than --long-tokens {tokens}")
+        raise DominoError(f"the ShareGPT prompts hold {len(ids)} tokens, fewer than --long-tokens {tokens}")
     return ids[:tokens]
 
 
