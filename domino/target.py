@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import logging as transformers_logging
 
 from domino.embedded import EMBEDDED_TARGETS, convert_embedded
 from domino.errors import DominoError
@@ -22,6 +23,19 @@ from domino.formats import check_safetensors
 from domino.packed_linear import pack_linear_layers
 
 DEFAULT_TARGET = "smollm2-135m"
+
+
+@contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Transformers' "Loading weights" bar takes a fraction of a second here and leaves a redrawn line
+    in every log it reaches (Serve replicas, benchmarks, `python -m domino generate`)."""
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
 
 
 def select_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -128,7 +142,8 @@ class Target:
         causal_lm_config(resolved, name_or_path)
         if dtype is None:
             dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype).to(device)
+        with no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(resolved)
         return cls(model, tokenizer, name_or_path)
 

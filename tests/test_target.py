@@ -126,6 +126,11 @@ def test_embedded_target_loads_and_chats(embedded_target):
     assert target.stop_token_ids == [target.tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
+def test_loading_a_target_draws_no_progress_bar(capfd):
+    Target.load("smollm2-135m")
+    assert "Loading weights" not in capfd.readouterr().err
+
+
 def test_text_that_tokenises_to_nothing_starts_from_the_start_token(embedded_target):
     """A non-empty prompt can tokenise to no ids (a lone control character); the server's schema accepts
     it, so it must not fail as an empty prompt: it starts from the start token, as OpenAI's API does."""
