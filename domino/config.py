@@ -19,6 +19,19 @@ LABEL_CONVENTIONS = ("shifted", "dflash")
 MAX_BLOCK_SIZE = 64
 
 
+def select_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's rule: n layers spread evenly from the second to the third-from-last
+    (the middle layer when n = 1)."""
+    if num_draft_layers < 1:
+        raise DominoError(f"num_draft_layers must be at least 1, got {num_draft_layers}")
+    if num_target_layers < 4:
+        raise DominoError(f"the target needs at least 4 layers to feed a drafter, it has {num_target_layers}")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
 def check_block_size(block_size: int) -> None:
     if not 2 <= block_size <= MAX_BLOCK_SIZE:
         raise DominoError(f"block_size must be between 2 and {MAX_BLOCK_SIZE} (16 is the usual choice), got {block_size}")
@@ -111,8 +124,6 @@ class DrafterConfig:
                    **overrides) -> "DrafterConfig":
         """A drafter shaped like the target's own layers, reading `layer_ids` (negative ids count from the
         last layer, -1) or by default DFlash's choice of target layers."""
-        from domino.target import select_layer_ids
-
         tc = target.config
         heads = tc.num_attention_heads
         rope = getattr(tc, "rope_parameters", None) or {}

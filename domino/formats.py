@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from domino.config import DrafterConfig
+from domino.config import DrafterConfig, select_layer_ids
 from domino.errors import DominoError
 
 if TYPE_CHECKING:
@@ -201,8 +201,6 @@ def check_dflash_target(config: dict, layer_ids: list[int], path: Path, target: 
 
 def dflash_config(config: dict, path: Path, target: "Target") -> DrafterConfig:
     """Our config for a DFlash (or SGLang Domino) checkpoint's config.json."""
-    from domino.target import select_layer_ids
-
     missing = [name for name in DFLASH_REQUIRED if name not in config]
     if missing:
         raise DominoError(f"the DFlash config at {path} lacks {', '.join(missing)}: it is not a complete checkpoint")

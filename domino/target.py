@@ -38,19 +38,6 @@ def no_progress_bars() -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
-def select_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's rule: n layers spread evenly from the second to the third-from-last
-    (the middle layer when n = 1)."""
-    if num_draft_layers < 1:
-        raise DominoError(f"num_draft_layers must be at least 1, got {num_draft_layers}")
-    if num_target_layers < 4:
-        raise DominoError(f"the target needs at least 4 layers to feed a drafter, it has {num_target_layers}")
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
 def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
     for layer_id in layer_ids:
         if not 0 <= layer_id < num_target_layers:
