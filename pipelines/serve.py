@@ -42,8 +42,8 @@ from domino.errors import DominoError
 from domino.sampling import choice_seed
 from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, make_policy
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.serving.api import (ERRORS, SSE_CONTENT, ApiError, RefusalsInOneLine, ServedLimits, api, checked,
-                                   event_stream, publish_limits)
+from pipelines.serving.api import (ERRORS, SSE_CONTENT, REFUSALS, ApiError, ServedLimits, api, checked,
+                                   event_stream, publish_limits, refused)
 from pipelines.serving.metrics import ReplicaMetrics
 from pipelines.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                         CompletionResponse, ErrorDetail, ErrorResponse, Formatter, GenerationRequest,
@@ -105,11 +105,12 @@ def load_engine(args: ServeArgs) -> DecodingEngine:
 @serve.deployment(max_ongoing_requests=32)
 class EngineReplica:
     """One target + drafter and its batched engine. The ingress calls `respond` for a whole answer
-    and `stream` for server-sent events; both tokenise, submit one engine row per choice and format."""
+    and `stream` for server-sent events; both tokenise, submit one engine row per choice and format.
+    A bad request comes back as its error (`respond`'s value, `stream`'s first item), for the ingress
+    to raise."""
 
     def __init__(self, args: ServeArgs):
         torch.set_num_threads(max(1, int(args.num_cpus)))
-        logger.addFilter(RefusalsInOneLine())
         engine = load_engine(args)
         self.target = engine.target
         self.model = args.served_name
@@ -128,7 +129,10 @@ class EngineReplica:
         return {"status": "ok", "model": self.model, "in_flight": self.runner.in_flight}
 
     async def respond(self, request: GenerationRequest, chat: bool):
-        formatter, streams = await self.start(request, chat)
+        try:
+            formatter, streams = await self.start(request, chat)
+        except REFUSALS as error:
+            return refused(error)
         try:
             results = await asyncio.gather(*(stream.result() for stream in streams))
         finally:
@@ -136,8 +140,12 @@ class EngineReplica:
                 stream.cancel()  # the client left before the end, or a choice failed
         return formatter.complete([checked(result) for result in results])
 
-    async def stream(self, request: GenerationRequest, chat: bool) -> AsyncIterator[str]:
-        formatter, streams = await self.start(request, chat)
+    async def stream(self, request: GenerationRequest, chat: bool) -> AsyncIterator[str | Exception]:
+        try:
+            formatter, streams = await self.start(request, chat)
+        except REFUSALS as error:
+            yield refused(error)
+            return
         async for event in event_stream(formatter, streams, request.include_usage):
             yield event
 
@@ -207,11 +215,15 @@ class EngineReplica:
 
 
 async def unwrapped(call: Awaitable[Any]):
-    """Await an engine call; an error it raised comes back as itself (its handler makes the status)."""
+    """Await an engine call; a refusal it returned or an error it raised is raised here as itself (its
+    handler makes the status)."""
     try:
-        return await call
+        result = await call
     except RayTaskError as error:
         raise error.cause from None
+    if isinstance(result, REFUSALS):
+        raise result
+    return result
 
 
 async def relayed(first: str, chunks: DeploymentResponseGenerator) -> AsyncIterator[str]:

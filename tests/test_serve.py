@@ -284,16 +284,22 @@ def engine_replica_log_lines() -> list[str]:
 
 
 def test_a_refused_request_is_logged_in_one_line_without_a_traceback(server):
-    """Serve logs an exception a replica method raises as a failed request, with its traceback. A
-    refused request is the client's mistake: the engine replica logs one INFO line for it, streamed
-    or not, and no traceback."""
+    """Serve logs a replica method that raises as a failed call (ERROR, with its traceback). A refused
+    request is the client's mistake: the engine replica logs one INFO line for it, streamed or not, and
+    no line of that request reads ERROR."""
     model = f"no-such-model-{uuid.uuid4().hex[:8]}"
+    request_ids = []
     for stream in (False, True):
         response = post(server, CHAT, model=model, messages=HELLO, max_tokens=2, stream=stream)
         assert response.status_code == 404, response.text
-    mentions = [line for line in engine_replica_log_lines() if model in line]
+        request_ids.append(response.headers["x-request-id"])
+    lines = engine_replica_log_lines()
+    mentions = [line for line in lines if model in line]
     assert len(mentions) == 2, mentions
     assert all(line.startswith("INFO ") and "request refused: the model" in line for line in mentions), mentions
+    of_these_requests = [line for line in lines if any(i in line for i in request_ids)]
+    assert len(of_these_requests) >= 4, of_these_requests  # the refusal and Serve's access line, each
+    assert not [line for line in of_these_requests if " ERROR" in line], of_these_requests
 
 
 def test_null_options_mean_their_defaults(server):

@@ -38,19 +38,15 @@ class ApiError(Exception):
         return ApiError, (self.status, d.message, d.type, d.param, d.code)
 
 
-class RefusalsInOneLine(logging.Filter):
-    """Serve logs every exception a replica's method raises as a failed request, traceback and all. A
-    refused request (ApiError, or the engine's DominoError for bad input: both answered with a 4xx) is
-    the client's mistake, not the server's: this filter on Serve's logger rewrites its record to one
-    line at INFO, so that bad requests do not fill the replica's log with tracebacks."""
+REFUSALS = (ApiError, DominoError)  # a client's bad request (the engine's DominoError included): a 4xx
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, (ApiError, DominoError)):
-            record.msg, record.args = "request refused: %s", (error,)
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.exc_info = record.exc_text = None
-        return True
+
+def refused(error: Exception) -> Exception:
+    """A refused request, logged in one INFO line and handed back as a value for the ingress to raise: Serve
+    logs a replica method that raises as a failed call (ERROR, with the traceback), and a client's mistake is
+    not the server's failure."""
+    logger.info("request refused: %s", error)
+    return error
 
 
 class GenerationFailed(Exception):
