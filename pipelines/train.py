@@ -33,9 +33,9 @@ from domino.errors import DominoError  # noqa: E402
 from domino.target import Target, resolve_target  # noqa: E402
 from domino.vocabulary import coverage, most_frequent  # noqa: E402
 from pipelines.training import checkpoints  # noqa: E402
-from pipelines.training.config import PipelineConfig, command_line, parse_args  # noqa: E402
-from pipelines.training.data import (check_survey, repeated, response_token_counts, survey, tokenized_conversations,  # noqa: E402
-                            training_rows)
+from pipelines.training.config import EMBEDDED_DATA, PipelineConfig, command_line, parse_args  # noqa: E402
+from pipelines.training.data import (check_survey, list_files, repeated, response_token_counts, survey,  # noqa: E402
+                                     tokenized_conversations, training_rows)
 from pipelines.training.errors import root_cause  # noqa: E402
 from pipelines.training.evaluate import evaluate, format_table  # noqa: E402
 from pipelines.training.features import regenerated, with_features  # noqa: E402
@@ -97,6 +97,8 @@ def run(cfg: PipelineConfig) -> dict:
     target_path = resolve_target(cfg.target)  # what can be checked without Ray is, before it starts
     drafter = drafter_config(cfg, Target.shape_only(cfg.target))
     cfg.deepspeed()
+    if cfg.data != EMBEDDED_DATA:
+        list_files(cfg.data)
     if connect():
         check_resources(cfg)
     state = checkpoints.latest(cfg)

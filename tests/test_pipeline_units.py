@@ -66,6 +66,8 @@ def test_help_prints_each_default_as_the_command_line_reads_it():
     (["--config", "/nonexistent/run.yaml"], "cannot read config file /nonexistent/run.yaml"),
     (["data="], "data: String should have at least 1 character"),
     (["target="], "target: String should have at least 1 character"),
+    (["run_name=../../elsewhere"], "run_name names one folder under storage_path: no '/' in it"),
+    (["run_name=.."], "run_name names one folder under storage_path"),
     (["deepspeed_config=/nonexistent.json"], None),  # checked when the DeepSpeed config is read
 ])
 def test_bad_config_is_one_clear_line(args, message):
@@ -94,6 +96,7 @@ def test_config_files_must_be_a_mapping_and_bad_yaml_is_placed(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["lookup_ngram=2", "lookup_min_ngram=3"], "lookup_min_ngram must be between 1 and lookup_ngram (2), got 3"),
     (["deepspeed_config=/nonexistent.json"], "deepspeed_config: cannot read /nonexistent.json"),
+    (["data=/nonexistent/chats.jsonl"], "data path /nonexistent/chats.jsonl does not exist"),
 ])
 def test_the_main_job_refuses_a_bad_config_before_ray_starts(monkeypatch, args, message):
     from pipelines import train

@@ -106,6 +106,8 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineConfig":
+        if "/" in self.run_name or "\\" in self.run_name or self.run_name in (".", ".."):
+            raise ValueError(f"run_name names one folder under storage_path: no '/' in it, got '{self.run_name}'")
         if self.head not in HEAD_KINDS:
             raise ValueError(f"head must be one of {', '.join(HEAD_KINDS)}, got '{self.head}'")
         if self.checkpoint_every % self.log_every:
