@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from domino.config import MAX_BLOCK_SIZE
 from domino.errors import DominoError
@@ -92,9 +93,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "generate":
             run_generate(args)
         elif args.command == "export":
-            from domino.formats import export
+            from domino.config import DrafterConfig
+            from domino.formats import CONFIG_NAME, export, lost_in_export
 
             print(f"wrote {export(args.drafter, args.format, args.out)} ({args.format})")
+            for note in lost_in_export(DrafterConfig.load(Path(args.drafter) / CONFIG_NAME)):
+                print(f"note: {note}")
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -276,26 +276,38 @@ def export(drafter_path: str | Path, fmt: str, out: str | Path) -> Path:
 
 
 def refuse_unexpressible(config: DrafterConfig, fmt: str) -> None:
-    """Refuse a drafter whose shape `fmt` cannot express, saying why."""
+    """Refuse a drafter whose shape `fmt` cannot express, naming every reason at once with the training
+    key that changes it (each is a retrain)."""
+    reasons = []
     if config.confidence_head:
-        raise DominoError(f"the {fmt} format has no confidence head: export a drafter trained without one")
+        reasons.append(f"the {fmt} format has no confidence head (train with confidence_head false)")
     if config.draft_vocab_size:
-        raise DominoError(f"the {fmt} format scores the target's whole vocabulary, and this drafter scores "
-                          f"{config.draft_vocab_size} tokens of it: train with draft_vocab_size 0 to export")
+        reasons.append(f"the {fmt} format scores the target's whole vocabulary, and this drafter scores "
+                       f"{config.draft_vocab_size} tokens of it (train with draft_vocab_size 0)")
     if fmt == "dflash":
         if config.label_convention != "dflash":
-            raise DominoError("DFlash checkpoints use DFlash's labels (the anchor's slot proposes nothing): train "
-                              "with label_convention dflash, or export this one with --format sglang-domino")
+            reasons.append("DFlash checkpoints use DFlash's labels, where the anchor's slot proposes nothing (train "
+                           "with label_convention dflash, or export with --format sglang-domino)")
         if config.head != "none":
-            raise DominoError(f"DFlash checkpoints have no sequential head, and this drafter's '{config.head}' head "
-                              f"shapes its drafts: train with head none, or export with --format sglang-domino")
-        return
-    if config.head != "sglang-domino":
-        raise DominoError(f"SGLang's Domino head is a bias-free GRU primed with the anchor; this drafter's "
-                          f"'{config.head}' head is not it: train with head sglang-domino")
-    if config.label_convention != "shifted":
-        raise DominoError("SGLang's Domino path takes shifted labels only (shift_label true): train with "
-                          "label_convention shifted")
+            reasons.append(f"DFlash checkpoints have no sequential head, and this drafter's '{config.head}' head "
+                           f"shapes its drafts (train with head none, or export with --format sglang-domino)")
+    else:
+        if config.head != "sglang-domino":
+            reasons.append(f"SGLang's Domino head is a bias-free GRU primed with the anchor; this drafter's "
+                           f"'{config.head}' head is not it (train with head sglang-domino)")
+        if config.label_convention != "shifted":
+            reasons.append("SGLang's Domino path takes shifted labels only, shift_label true (train with "
+                           "label_convention shifted)")
+    if reasons:
+        raise DominoError(f"cannot export this drafter as {fmt}: " + "; ".join(reasons))
+
+
+def lost_in_export(config: DrafterConfig) -> list[str]:
+    """What an exported drafter keeps no trace of, for the user to know before serving it elsewhere."""
+    if not config.lookup_ngram:
+        return []
+    return [f"context lookup (lookup_ngram {config.lookup_ngram}) is domino's own: an engine serving the export "
+            f"drafts without copies from the text"]
 
 
 def exported_config(config: DrafterConfig, fmt: str, dtype: str) -> dict[str, Any]:

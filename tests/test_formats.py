@@ -249,6 +249,9 @@ def test_sglang_domino_export_holds_what_sglangs_loader_reads(target, tmp_path):
     ("dflash", dict(head="none"), "DFlash's labels.*label_convention dflash"),
     ("dflash", dict(head="domino", label_convention="dflash"), "no sequential head"),
     ("dflash", dict(head="none", label_convention="dflash", draft_vocab_size=12), "scores 12 tokens of it"),
+    # every reason at once, each with the key that changes it
+    ("dflash", dict(head="markov", confidence_head=True, draft_vocab_size=12),
+     r"as dflash: .*confidence_head false.*draft_vocab_size 0.*label_convention dflash.*head none"),
 ])
 def test_export_refuses_what_the_format_cannot_express(target, tmp_path, fmt, options, message):
     tiny_drafter(target, **options).save_pretrained(tmp_path / "ours")
@@ -337,7 +340,12 @@ def test_export_command_line(target, tmp_path, capsys):
     tiny_drafter(target, head="none", label_convention="dflash").save_pretrained(tmp_path / "ours")
     main(["export", "--drafter", str(tmp_path / "ours"), "--format", "dflash", "--out", str(tmp_path / "out")])
     assert DFlashDraftModel.from_pretrained(tmp_path / "out").block_size == 8
-    assert "wrote" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wrote" in out and "note" not in out
+    # context lookup has no field in either format: the user is told it is left behind
+    tiny_drafter(target, head="none", label_convention="dflash", lookup_ngram=3).save_pretrained(tmp_path / "copies")
+    main(["export", "--drafter", str(tmp_path / "copies"), "--format", "dflash", "--out", str(tmp_path / "out2")])
+    assert "note: context lookup (lookup_ngram 3) is domino's own" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["export", "--drafter", str(tmp_path / "ours"), "--format", "sglang-domino", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err
