@@ -111,7 +111,8 @@ class DecodingEngine:
             check_block_size(block_size)
         self.policy = policy or FullVerify()
         if self.policy.needs_confidence and not (isinstance(drafter, Drafter) and drafter.confidence is not None):
-            raise DominoError(f"confidence-scheduled verification {NEEDS_CONFIDENCE_HEAD}")
+            given = {None: "decoding without a drafter", "oracle": "the oracle"}.get(drafter, "this drafter")
+            raise DominoError(f"verify '{self.policy.name}' {NEEDS_CONFIDENCE_HEAD}; {given} has none")
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.layer_ids = drafter.config.target_layer_ids if isinstance(drafter, Drafter) else []
         self.pending: dict[str, RequestState] = {}

@@ -68,6 +68,7 @@ def profile_sps(target, max_tokens: int = 512, context: int = 128, repeats: int 
 class VerifyPolicy:
     """Decides, each round, whether to draft at all and how many drafts each request verifies."""
 
+    name = ""  # the name a user picks it by (POLICIES)
     needs_confidence = False
 
     def wants_draft(self, rows: int) -> bool:
@@ -99,6 +100,8 @@ class VerifyPolicy:
 class FullVerify(VerifyPolicy):
     """Verify every drafted token (up to each request's remaining budget)."""
 
+    name = "full"
+
     def lengths(self, caps: torch.Tensor, confidence: torch.Tensor | None,
                 copied: torch.Tensor | None = None) -> torch.Tensor:
         return caps
@@ -109,6 +112,7 @@ class ThresholdVerify(VerifyPolicy):
     """Verify while the estimated chance that the whole prefix survives stays above `threshold`."""
 
     threshold: float = 0.3
+    name = "threshold"
     needs_confidence = True
 
     def __post_init__(self) -> None:
@@ -220,6 +224,8 @@ class GatedFullVerify(GatedPolicy, FullVerify):
     A drafter that loses to plain decoding (a weak one, or any one in a crowded batch) then costs a
     drafted round now and then instead of every round."""
 
+    name = "gated"
+
     def could_pay(self, caps: torch.Tensor) -> bool:
         """Whether verifying every draft could beat a plain round were all of them to pass. The verify
         forward is padded to the longest row: rows x (1 + longest cap) tokens."""
@@ -240,6 +246,7 @@ class ConfidenceScheduler(GatedPolicy):
     drop; other rows go on, which only matters for such runs)."""
 
     padded: bool = True
+    name = "confidence"
     needs_confidence = True
     _could_pay: dict[tuple[int, frozenset[int]], bool] = field(default_factory=dict, repr=False)
 
@@ -294,7 +301,7 @@ class ConfidenceScheduler(GatedPolicy):
 
 NEEDS_CONFIDENCE_HEAD = "needs a drafter trained with a confidence head (confidence_head=true)"
 POLICY_CLASSES: dict[str, type[VerifyPolicy]] = {
-    "full": FullVerify, "gated": GatedFullVerify, "threshold": ThresholdVerify, "confidence": ConfidenceScheduler}
+    policy.name: policy for policy in (FullVerify, GatedFullVerify, ThresholdVerify, ConfidenceScheduler)}
 POLICIES = tuple(POLICY_CLASSES)
 
 

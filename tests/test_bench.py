@@ -109,6 +109,9 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
     # every benchmark's bad input ends in one line and exit 2, not a traceback
     assert bench.main(["run", "--datasets", "gsm", "--methods", f"d={tmp_path / 'gone'}"]) == 2
     assert f"no drafter checkpoint folder at {tmp_path / 'gone'}" in capsys.readouterr().err
+    tiny_drafter(embedded_target, num_layers=1).save_pretrained(tmp_path / "plain")  # no confidence head
+    assert bench.main(["run", "--datasets", "gsm", "--methods", f"p={tmp_path / 'plain'}", "--verify", "threshold"]) == 2
+    assert f"error: method 'p={tmp_path / 'plain'}': verify 'threshold' needs" in capsys.readouterr().err
     assert bench.main(["batching", "--drafter", str(tmp_path / "gone")]) == 2
     assert "error: no drafter checkpoint at" in capsys.readouterr().err
     assert bench.main(["engine", "--target", str(tmp_path / "gone")]) == 2

@@ -342,8 +342,11 @@ def test_a_batch_no_draft_could_pay_for_does_not_draft(target, monkeypatch, gate
 
 
 def test_confidence_policy_needs_a_confidence_head(target):
-    with pytest.raises(DominoError, match="confidence head"):
+    with pytest.raises(DominoError, match="verify 'threshold' needs a drafter trained with a confidence head.*; "
+                                          "this drafter has none"):
         DecodingEngine(target, tiny_drafter(target), policy=ThresholdVerify())
+    with pytest.raises(DominoError, match="; decoding without a drafter has none"):
+        DecodingEngine(target, None, policy=ThresholdVerify())
     for threshold in (0.0, 1.0, 1.5):  # a survival probability strictly between 0 and 1
         with pytest.raises(DominoError, match="between 0 and 1"):
             ThresholdVerify(threshold)

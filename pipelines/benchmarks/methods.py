@@ -81,7 +81,10 @@ def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "
     drafter = Drafter.from_pretrained(path, target)
     if lookup_ngram is not None:
         drafter.set_lookup(lookup_ngram)
-    decoder = SpeculativeDecoder(target, drafter, policy=make_policy(verify, target))
+    try:
+        decoder = SpeculativeDecoder(target, drafter, policy=make_policy(verify, target))
+    except DominoError as error:
+        raise DominoError(f"method '{spec}': {error}") from None
     return Method(name or Path(path).name, target, decoder, sampling=sampling)
 
 
