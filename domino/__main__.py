@@ -9,7 +9,7 @@ from pathlib import Path
 
 from domino.config import MAX_BLOCK_SIZE
 from domino.errors import DominoError
-from domino.scheduler import POLICIES
+from domino.scheduler import POLICIES, ThresholdVerify
 from domino.target import DEFAULT_TARGET
 
 
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "confidence head's estimate that the prefix survives falls below --threshold; "
                                "'confidence': DSpark's scheduling against the target's profiled speed (gated "
                                "and confidence pay on CPUs, where a verify of a few tokens costs more than one step)")
-    generate.add_argument("--threshold", type=float, default=0.3,
+    generate.add_argument("--threshold", type=float, default=ThresholdVerify.threshold,
                           help="for --verify threshold: the survival estimate below which a row stops verifying")
     export = commands.add_parser(
         "export", help="write a drafter in DFlash's or SGLang's Domino checkpoint format",
@@ -66,6 +66,10 @@ def run_generate(args: argparse.Namespace) -> None:
 
     if not args.prompt.strip():
         raise DominoError("the prompt is empty: pass --prompt \"...\"")
+    if args.threshold != ThresholdVerify.threshold and args.verify != "threshold":
+        raise DominoError(f"--threshold is read by --verify threshold only, and --verify is {args.verify}")
+    if args.block_size is not None and args.drafter == "none":
+        raise DominoError("--block-size sets the oracle's draft length; decoding without a drafter drafts nothing")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=args.stop, seed=args.seed,
                               sampling=SamplingParams(args.temperature, args.top_p, args.top_k))
     target = Target.load(args.target)
@@ -79,9 +83,10 @@ def run_generate(args: argparse.Namespace) -> None:
     decoder = SpeculativeDecoder(target, drafter, block_size=args.block_size, policy=policy)
     prompt_ids = target.encode_prompt(args.prompt, chat=False if args.no_chat else None)
     result = decoder.generate(prompt_ids, config, on_tokens=lambda tokens, text: print(text, end="", flush=True))
+    print()  # the text ends its line (a file it is written to ends with a newline)
     s = result.stats
     total = max(s.total_s, 1e-9)
-    print(f"\n[{s.new_tokens} tokens in {s.total_s:.2f} s: {s.tokens_per_second:.1f} tokens/s, tau {s.tau:.2f} "
+    print(f"[{s.new_tokens} tokens in {s.total_s:.2f} s: {s.tokens_per_second:.1f} tokens/s, tau {s.tau:.2f} "
           f"over {s.rounds} rounds; prefill {100 * s.prefill_s / total:.0f}%, draft {100 * s.draft_s / total:.0f}%, "
           f"verify {100 * s.verify_s / total:.0f}%, other {100 * s.other_s / total:.0f}%; "
           f"finish: {result.finish_reason}]", file=sys.stderr)

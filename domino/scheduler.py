@@ -305,7 +305,7 @@ POLICY_CLASSES: dict[str, type[VerifyPolicy]] = {
 POLICIES = tuple(POLICY_CLASSES)
 
 
-def make_policy(name: str, target=None, threshold: float = 0.3, max_tokens: int = 512):
+def make_policy(name: str, target=None, threshold: float = ThresholdVerify.threshold, max_tokens: int = 512):
     """A verify policy by name (POLICIES); 'gated' and 'confidence' profile the target's SPS."""
     if name not in POLICY_CLASSES:
         raise DominoError(f"unknown verify policy '{name}': choose {', '.join(POLICIES)}")

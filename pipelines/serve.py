@@ -40,7 +40,7 @@ from domino.drafter import Drafter
 from domino.engine import PREFILL_CHUNK, DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import choice_seed
-from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, make_policy
+from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, ThresholdVerify, make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.api import (ERRORS, SSE_CONTENT, REFUSALS, ApiError, ServedLimits, api, checked,
                                    event_stream, publish_limits, refused)
@@ -70,7 +70,7 @@ class ServeArgs(BaseModel):
         "full", description="how many drafts each request verifies per round: all of them; all of them in the "
                             "rounds where drafting beats plain decoding (gated); up to a confidence threshold; "
                             "or DSpark's confidence scheduling (the last two need a confidence head)")
-    threshold: float = Field(0.3, gt=0, lt=1, description="for verify=threshold")
+    threshold: float = Field(ThresholdVerify.threshold, gt=0, lt=1, description="for verify=threshold")
     max_batch_tokens: int = Field(1024, ge=1, description="largest verify forward the start-up SPS profile "
                                                           "measures (verify=gated or confidence)")
     max_rows: int = Field(64, ge=1, description="the most choices a replica decodes together (each holds a cache "

@@ -217,3 +217,10 @@ def test_command_line_generate_with_confidence_scheduling_prints_the_targets_own
     with pytest.raises(SystemExit):  # plain decoding has no confidence head to schedule by
         main(["generate", "--drafter", "none", "--verify", "confidence", *prompt])
     assert "confidence head" in capsys.readouterr().err
+    # options that the other choices would ignore are refused, not ignored
+    for ignored, message in ((["--threshold", "0.9"], "--threshold is read by --verify threshold only"),
+                             (["--block-size", "4"], "--block-size sets the oracle's draft length")):
+        with pytest.raises(SystemExit):
+            main(["generate", "--drafter", "none", *ignored, *prompt])
+        assert message in capsys.readouterr().err
+    assert plain.endswith("\n")  # the text ends its line, so a file it is written to does too
