@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+DRAFTER_DIR = "drafter"  # the subfolder of a training checkpoint that holds its drafter
 SHARD_INDEX_NAME = "model.safetensors.index.json"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 FORMATS = ("dflash", "sglang-domino")
@@ -113,6 +114,9 @@ def unreadable(path: Path, error: Exception) -> DominoError:
 def checkpoint_format(path: Path) -> str:
     """'domino' or 'dflash' for a checkpoint folder; anything else is refused in one line."""
     if not (path / CONFIG_NAME).is_file():
+        if (path / DRAFTER_DIR / CONFIG_NAME).is_file():
+            raise DominoError(f"no drafter checkpoint at {path}: it is a training checkpoint; its drafter is "
+                              f"{path / DRAFTER_DIR}")
         raise DominoError(
             f"no drafter checkpoint at {path}: pass the folder written by training (it holds {CONFIG_NAME} and "
             f"{WEIGHTS_NAME}) or a DFlash drafter folder")

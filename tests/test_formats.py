@@ -309,6 +309,12 @@ def test_folder_in_neither_format_is_refused(tmp_path):
         Drafter.from_pretrained(tmp_path, tiny_target())
 
 
+def test_a_training_checkpoint_folder_points_to_its_drafter(target, tmp_path):
+    tiny_drafter(target).save_pretrained(tmp_path / "step_000320" / "drafter")
+    with pytest.raises(DominoError, match=f"it is a training checkpoint; its drafter is {tmp_path}/step_000320/drafter"):
+        Drafter.from_pretrained(tmp_path / "step_000320", target)
+
+
 def test_export_never_writes_over_a_folder_that_holds_files(target, tmp_path):
     """Exporting into the checkpoint it reads would replace it; into any other folder with files, mix two."""
     ours = tmp_path / "ours"

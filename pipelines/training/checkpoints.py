@@ -26,11 +26,11 @@ from pyarrow import fs
 from domino.config import DrafterConfig
 from domino.drafter import Drafter
 from domino.errors import DominoError
+from domino.formats import DRAFTER_DIR
 from pipelines.training.config import PipelineConfig
 
 DEEPSPEED_TAG = "deepspeed"
 STATE_NAME = "state.json"
-DRAFTER_DIR = "drafter"
 TEMP_PREFIX = "domino-ckpt-"
 
 
