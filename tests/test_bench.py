@@ -112,6 +112,9 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
     tiny_drafter(embedded_target, num_layers=1).save_pretrained(tmp_path / "plain")  # no confidence head
     assert bench.main(["run", "--datasets", "gsm", "--methods", f"p={tmp_path / 'plain'}", "--verify", "threshold"]) == 2
     assert f"error: method 'p={tmp_path / 'plain'}': verify 'threshold' needs" in capsys.readouterr().err
+    assert bench.main(["drafter-costs", "--block-size", "999"]) == 2
+    out, err = capsys.readouterr()
+    assert "block_size must be between 2 and 64" in err and "|" not in out  # no table half printed
     assert bench.main(["batching", "--drafter", str(tmp_path / "gone")]) == 2
     assert "error: no drafter checkpoint at" in capsys.readouterr().err
     assert bench.main(["engine", "--target", str(tmp_path / "gone")]) == 2

@@ -11,6 +11,7 @@ draft vocabulary, per head kind.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import statistics
 import time
@@ -53,6 +54,10 @@ def main(argv: list[str]) -> None:
 
     torch.manual_seed(0)
     target = Target.load(args.target)
+    # every drafter shape below is checked first, so that a bad one is not found with a table half printed
+    for head, rank, vocab in itertools.product(HEAD_KINDS, args.rank, args.draft_vocab):
+        DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size, head=head, rank=rank,
+                                 draft_vocab_size=vocab)
     print(f"# target {args.target}: {target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}")
     print(f"# machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("\n| head | rank | drafter parameters | of which head | head vs backbone |")
