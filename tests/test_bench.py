@@ -174,6 +174,14 @@ def test_embedded_prompt_sets_load_and_sharegpt_is_held_out_of_training():
     assert not set(held_out) & trained_on
 
 
+def test_the_load_test_takes_a_servers_root_or_its_openai_base_url():
+    from pipelines.benchmarks.load import server_root
+
+    for url in ("http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/"):
+        assert server_root(url) == "http://127.0.0.1:8000"
+    assert server_root("http://127.0.0.1:8000/plain/v1") == "http://127.0.0.1:8000/plain"
+
+
 def test_one_command_runs_every_benchmark(capsys):
     """`python -m pipelines.bench COMMAND`: each command's module exists and answers --help under its own name."""
     assert bench.main(["--help"]) == 0

@@ -56,6 +56,11 @@ def check_loopback(url: str) -> None:
         raise SystemExit(f"error: {url} is not on this machine: the load test only targets loopback addresses")
 
 
+def server_root(url: str) -> str:
+    """The server's root (its route prefix); the base URL an OpenAI client is given, ending in /v1, is taken too."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 def run(url: str, clients: int, total: int, max_seconds: float, max_tokens: int, temperature: float) -> Outcome:
     """`clients` threads share a budget of `total` requests; none starts after `max_seconds`."""
     outcome, lock = Outcome(), threading.Lock()
@@ -107,7 +112,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench load", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--url", action="append", required=True, help="label=URL of a server (repeatable)")
+    parser.add_argument("--url", action="append", required=True, help="label=URL of a server, its root or its OpenAI base URL (.../v1) (repeatable)")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64, help="requests per server and round")
     parser.add_argument("--max-seconds", type=float, default=600, help="per server and round")
@@ -120,13 +125,14 @@ def main(argv: list[str]) -> int:
     if args.temperature < 0:
         parser.error("--temperature must not be negative")
 
-    servers = dict(item.split("=", 1) if "=" in item else (item, item) for item in args.url)
+    servers = {label: server_root(url) for label, url in
+               (item.split("=", 1) if "=" in item else (item, item) for item in args.url)}
     for url in servers.values():
         check_loopback(url)
     results = {label: Outcome() for label in servers}
     for _ in range(args.rounds):
         for label, url in servers.items():
-            got = run(url.rstrip("/"), args.clients, args.requests, args.max_seconds, args.max_tokens,
+            got = run(url, args.clients, args.requests, args.max_seconds, args.max_tokens,
                       args.temperature)
             total = results[label]
             total.latencies += got.latencies
