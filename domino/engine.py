@@ -63,6 +63,16 @@ class Prefill:
 
 
 @dataclass
+class StepTimes:
+    """Seconds one `step` spent, each counted once. A round's drafting and verifying serve every row in it,
+    and each request's own stats count them in full: summed over requests they would count a second once
+    per row (the replica's metrics add these instead)."""
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+@dataclass
 class Event:
     request_id: str
     tokens: list[int]  # committed this step
@@ -121,6 +131,7 @@ class DecodingEngine:
         self.states: dict[str, RequestState] = {}
         self.anchors: list[int] = []  # each row's last committed token, not yet fed to the target
         self.caches: BatchCaches | None = None
+        self.last_step = StepTimes()
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> RequestState:
@@ -144,6 +155,7 @@ class DecodingEngine:
 
     def step(self) -> list[Event]:
         events, joining = [], []
+        self.last_step = StepTimes()
         for request_id in list(self.pending):  # first come, first prefilled
             if self.max_rows is not None and len(self.ids) >= self.max_rows:
                 break
@@ -213,7 +225,9 @@ class DecodingEngine:
         if prefill.context is not None:
             prefill.context.stage(out.features, torch.arange(prefill.done, end, device=chunk.device)[None])
         prefill.done = end
-        state.stats.prefill_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        state.stats.prefill_s += elapsed
+        self.last_step.prefill_s += elapsed
         return out.logits[:, -1] if end == len(state.prompt) else None
 
     def _first_token(self, state: RequestState, logits: torch.Tensor) -> tuple[int | None, list[TokenLogprob] | None]:
@@ -326,6 +340,8 @@ class DecodingEngine:
             self.policy.observe(tried, len(states), int(accepted.sum()) + len(states), settled - start,
                                 block.numel(), verified - drafted)
 
+        self.last_step.draft_s += (drafted - start) + (settled - verified)
+        self.last_step.verify_s += verified - drafted
         events, done = [], []
         # one copy to the host for the whole batch, not one per row (each is a device sync on a GPU)
         draft_rows, accepted_rows, following_rows, length_rows = (

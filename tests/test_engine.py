@@ -3,6 +3,7 @@
 import itertools
 import math
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domino.engine import PREFILL_CHUNK, DecodingEngine
+from domino.engine import PREFILL_CHUNK, DecodingEngine, StepTimes
 from domino.errors import DominoError
 from domino.requests import GenerationConfig
 from domino.sampling import SamplingParams
@@ -70,6 +71,27 @@ def test_batched_greedy_outputs_equal_each_requests_own(target, drafter, chunk):
         stop = config.stop_token_ids[0] if config.stop_token_ids else None
         assert got[rid] == hf_greedy(target, prompt, config.max_new_tokens, stop=stop), rid
     assert engine.caches is None and not engine.states  # everything retired
+
+
+def test_a_steps_times_count_a_shared_round_once(target):
+    """A round's drafting and verifying serve every row in it; each request's stats count them in full, so
+    their sum over a batch counts a second once per row. The engine's own per-step times count it once:
+    they add up to no more than the wall time of the steps, and to no less than any one request's share."""
+    engine = DecodingEngine(target, tiny_drafter(target, block_size=6).double())
+    results, spent = {}, StepTimes()
+    for i, prompt in enumerate(random_prompts(6, seed=3)):
+        engine.add(f"r{i}", prompt, GenerationConfig(max_new_tokens=16, stop_token_ids=[]))
+    start = time.perf_counter()
+    while engine.has_work:
+        results.update((e.request_id, e.result) for e in engine.step() if e.finished)
+        for name in ("prefill_s", "draft_s", "verify_s"):
+            setattr(spent, name, getattr(spent, name) + getattr(engine.last_step, name))
+    wall = time.perf_counter() - start
+    stats = [result.stats for result in results.values()]
+    assert spent.prefill_s + spent.draft_s + spent.verify_s <= wall
+    assert spent.prefill_s == pytest.approx(sum(s.prefill_s for s in stats))  # a prefill is one request's
+    assert max(s.verify_s for s in stats) <= spent.verify_s < sum(s.verify_s for s in stats)
+    assert max(s.draft_s for s in stats) <= spent.draft_s < sum(s.draft_s for s in stats)
 
 
 def test_a_long_prompt_prefills_in_chunks_while_the_batch_goes_on(target):

@@ -407,7 +407,8 @@ def test_metrics_reach_prometheus(server, ray_cluster):
     with requests.post(f"{server}{COMPLETIONS}", json=body, stream=True, timeout=120) as response:
         next(response.iter_lines())
     port = ray_cluster.nodes()[0]["MetricsExportPort"]
-    wanted = ["ray_domino_generated_tokens_total", "ray_domino_accept_length_bucket", "ray_domino_draft_seconds",
+    wanted = ["ray_domino_generated_tokens_total", "ray_domino_accept_length_bucket", "ray_domino_prefill_seconds",
+              "ray_domino_draft_seconds",
               "ray_domino_verify_seconds", "ray_domino_queue_depth", 'finish_reason="cancelled"',
               'finish_reason="length"', 'ray_vllm_spec_decode_num_drafts_total{', 'model_name="tiny"',
               "ray_vllm_spec_decode_num_draft_tokens_total"]

@@ -98,7 +98,7 @@ class FailureCount:
     def __init__(self):
         self.failed = 0
 
-    def on_step(self, events, in_flight):
+    def on_step(self, events, in_flight, times):
         pass
 
     def on_cancel(self):
@@ -144,7 +144,7 @@ def test_a_failed_step_fails_its_requests_not_the_runner(decoder):
 
 
 class BrokenObserver:
-    def on_step(self, events, in_flight):
+    def on_step(self, events, in_flight, times):
         raise ValueError("metrics backend down")
 
     def on_cancel(self):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ray.serve import metrics
 
-from domino.engine import Event
+from domino.engine import Event, StepTimes
 from domino.config import MAX_BLOCK_SIZE
 
 # One bucket per accepted length up to 16, then coarser up to the largest possible round. The bounds sit
@@ -31,8 +31,11 @@ class ReplicaMetrics:
         self.accept_length = metrics.Histogram(
             "domino_accept_length", boundaries=ACCEPT_LENGTH_BUCKETS,
             description="tokens committed per verify forward of the target (tau is its mean)")
-        self.draft_seconds = metrics.Counter("domino_draft_seconds", description="time spent drafting")
-        self.verify_seconds = metrics.Counter("domino_verify_seconds", description="time spent in verify forwards")
+        self.prefill_seconds = metrics.Counter("domino_prefill_seconds", description="time spent prefilling prompts")
+        self.draft_seconds = metrics.Counter("domino_draft_seconds",
+                                             description="time spent drafting (a round shared by a batch counts once)")
+        self.verify_seconds = metrics.Counter("domino_verify_seconds",
+                                              description="time spent in verify forwards (one per round, for the batch)")
         self.queue_depth = metrics.Gauge("domino_queue_depth",
                                          description="requests the replica holds, waiting or decoding")
         model = ("model_name",)
@@ -46,20 +49,20 @@ class ReplicaMetrics:
                                                 tag_keys=("model_name", "position"),
                                                 description="drafted tokens accepted, by position in the draft")
 
-    def on_step(self, events: list[Event], in_flight: int) -> None:
+    def on_step(self, events: list[Event], in_flight: int, times: StepTimes) -> None:
         tokens = sum(len(event.tokens) for event in events)
         if tokens:
             self.tokens.inc(tokens)
+        for counter, seconds in ((self.prefill_seconds, times.prefill_s), (self.draft_seconds, times.draft_s),
+                                 (self.verify_seconds, times.verify_s)):
+            if seconds:
+                counter.inc(seconds)
         for event in events:
             if event.finished:
                 stats = event.result.stats
                 self.requests.inc(tags={"finish_reason": event.result.finish_reason})
                 for length in stats.accept_lengths:
                     self.accept_length.observe(length)
-                if stats.draft_s:
-                    self.draft_seconds.inc(stats.draft_s)
-                if stats.verify_s:
-                    self.verify_seconds.inc(stats.verify_s)
                 self.on_speculation(stats)
         self.queue_depth.set(in_flight)
 

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from domino.engine import Event
+from domino.engine import Event, StepTimes
 from domino.decoding import GenerationConfig, GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -35,11 +35,14 @@ class Engine(Protocol):
     @property
     def has_work(self) -> bool: ...
 
+    @property
+    def last_step(self) -> StepTimes: ...
+
 
 class Observer(Protocol):
     """Told what happens on the engine thread (the replica's metrics)."""
 
-    def on_step(self, events: list[Event], in_flight: int) -> None: ...
+    def on_step(self, events: list[Event], in_flight: int, times: StepTimes) -> None: ...
 
     def on_cancel(self) -> None: ...
 
@@ -180,7 +183,7 @@ class EngineRunner:
                     stream = self._forget(event.request_id) if event.finished else self._streams.get(event.request_id)
                     if stream is not None:
                         stream.push(event)
-                self._observe("on_step", events, self.in_flight)
+                self._observe("on_step", events, self.in_flight, self.engine.last_step)
         except BaseException as error:  # the thread ends: no waiting request may hang on it
             logger.exception("the engine thread stopped")
             self._abandon(error)
