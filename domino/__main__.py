@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from domino.config import MAX_BLOCK_SIZE
+from domino.config import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 from domino.errors import DominoError
 from domino.scheduler import POLICIES, ThresholdVerify
 from domino.target import DEFAULT_TARGET
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
     generate.add_argument("--block-size", type=int, default=None,
-                          help="draft length for --drafter oracle (16 when unset); a checkpoint has its own")
+                          help=f"draft length for --drafter oracle ({DEFAULT_BLOCK_SIZE} when unset); a checkpoint has its own")
     generate.add_argument("--verify", choices=POLICIES, default="full",
                           help="'full': verify every draft; 'gated': every draft, but draft only while drafting "
                                "beats plain decoding (profiles the target first); 'threshold': stop where the "
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_generate(args: argparse.Namespace) -> None:
     # imported here so that --help and argument errors are instant
     from domino.decoding import GenerationConfig, SpeculativeDecoder
-    from domino.drafter import Drafter
+    from domino.drafter import load_drafter
     from domino.sampling import SamplingParams
     from domino.scheduler import make_policy
     from domino.target import Target
@@ -73,11 +73,7 @@ def run_generate(args: argparse.Namespace) -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=args.stop, seed=args.seed,
                               sampling=SamplingParams(args.temperature, args.top_p, args.top_k))
     target = Target.load(args.target)
-    drafter = args.drafter
-    if drafter == "none":
-        drafter = None
-    elif drafter != "oracle":
-        drafter = Drafter.from_pretrained(drafter, target)
+    drafter = load_drafter(args.drafter, target)
     # one request verifies at most a block and its anchor: profile forwards up to that size
     policy = make_policy(args.verify, target, threshold=args.threshold, max_tokens=MAX_BLOCK_SIZE)
     decoder = SpeculativeDecoder(target, drafter, block_size=args.block_size, policy=policy)

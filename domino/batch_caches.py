@@ -23,6 +23,10 @@ from transformers import DynamicCache
 
 from domino.drafter import ContextCache
 
+# holes a cache may hold beyond `slack` before it is compacted: a short cache's holes cost attention little,
+# and without a floor its first rounds would copy the whole cache every few rounds
+COMPACT_FLOOR = 16
+
 
 class BatchCaches:
     def __init__(self, target: DynamicCache, context: ContextCache | None, valid: torch.Tensor):
@@ -110,10 +114,10 @@ class BatchCaches:
 
     def compact(self, slack: float = 2.0) -> None:
         """Squeeze out the holes once the cache holds `slack` times more slots than its longest row
-        needs: each row's valid slots move to the front, in order."""
+        needs, and COMPACT_FLOOR more: each row's valid slots move to the front, in order."""
         counts = self.positions
         longest = int(counts.max())
-        if self.valid.shape[1] <= slack * longest + 16:
+        if self.valid.shape[1] <= slack * longest + COMPACT_FLOOR:
             return
         staged_only = self.staged_only
         if not staged_only:

@@ -17,6 +17,7 @@ HEAD_KINDS = ("none", "domino", "sglang-domino", "markov", "rnn")
 # "dflash": the anchor's slot proposes nothing and position k proposes the k-th token, B - 1 drafts.
 LABEL_CONVENTIONS = ("shifted", "dflash")
 MAX_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 16  # DFlash's block; also the oracle's draft length unless one is given
 
 
 def select_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -32,9 +33,18 @@ def select_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
+    for layer_id in layer_ids:
+        if not 0 <= layer_id < num_target_layers:
+            raise DominoError(
+                f"target layer id {layer_id} is out of range: the target has {num_target_layers} layers "
+                f"(valid ids 0..{num_target_layers - 1})"
+            )
+
+
 def check_block_size(block_size: int) -> None:
     if not 2 <= block_size <= MAX_BLOCK_SIZE:
-        raise DominoError(f"block_size must be between 2 and {MAX_BLOCK_SIZE} (16 is the usual choice), got {block_size}")
+        raise DominoError(f"block_size must be between 2 and {MAX_BLOCK_SIZE} ({DEFAULT_BLOCK_SIZE} is the usual choice), got {block_size}")
 
 
 @dataclass
@@ -46,7 +56,7 @@ class DrafterConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     # The drafter itself.
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     head: str = "domino"
     label_convention: str = "shifted"
     confidence_head: bool = False
@@ -78,12 +88,7 @@ class DrafterConfig:
             raise DominoError(f"num_layers (draft layers) must be at least 1, got {self.num_layers}")
         if not self.target_layer_ids:
             raise DominoError("target_layer_ids is empty: the drafter needs at least one target layer")
-        for layer_id in self.target_layer_ids:
-            if not 0 <= layer_id < self.target_num_layers:
-                raise DominoError(
-                    f"target layer id {layer_id} is out of range: the target has {self.target_num_layers} layers "
-                    f"(valid ids 0..{self.target_num_layers - 1})"
-                )
+        check_layer_ids(self.target_layer_ids, self.target_num_layers)
         if not 0 <= self.mask_token_id < self.target_vocab_size:
             raise DominoError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.target_vocab_size - 1})")
         if not (self.draft_vocab_size == 0 or 2 <= self.draft_vocab_size <= self.target_vocab_size):
@@ -105,7 +110,7 @@ class DrafterConfig:
         return self.target_hidden_size
 
     @property
-    def draft_vocab(self) -> int:
+    def scored_vocab_size(self) -> int:
         """How many tokens the drafter's LM head scores."""
         return self.draft_vocab_size or self.target_vocab_size
 

@@ -137,6 +137,9 @@ class ContextCache:
 
     def stage(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append features (n, t, n_layers * D) at `positions` (n, t), projecting them later."""
+        if self.project is None:
+            raise DominoError("a context cache stages features only with a projection: "
+                              "ContextCache(project=drafter.context_kv)")
         self.staged.append((features, positions))
 
     def catch_up(self) -> None:
@@ -486,3 +489,11 @@ class Drafter(nn.Module):
         drafter = drafter.to(device=target.device).eval()
         pack_linear_layers(drafter)  # for inference on a CPU in float32; training would fall back to the dense weights
         return drafter
+
+
+def load_drafter(spec: str, target) -> Drafter | str | None:
+    """A drafter named as users name it: 'none' (plain decoding, None), 'oracle' (the target's own greedy
+    continuation, the loop's ceiling), or a checkpoint folder, loaded for `target` in its dtype."""
+    if spec in ("none", "oracle"):
+        return None if spec == "none" else spec
+    return Drafter.from_pretrained(spec, target).to(target.model.dtype)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from domino.config import check_block_size
+from domino.config import DEFAULT_BLOCK_SIZE, check_block_size
 from domino.drafter import ContextCache, Draft, Drafter
 from domino.errors import DominoError
 from domino.batch_caches import BatchCaches
@@ -85,7 +85,7 @@ class Event:
         return self.result is not None
 
 
-def event(request_id: str, state: RequestState, tokens: list[int], text: str) -> Event:
+def make_event(request_id: str, state: RequestState, tokens: list[int], text: str) -> Event:
     """What a step reports about one request: the tokens it just committed (with their
     log-probabilities, the last ones the request holds), and its result once it finished."""
     logprobs = state.logprobs[len(state.logprobs) - len(tokens):] if state.logprobs is not None else None
@@ -94,7 +94,7 @@ def event(request_id: str, state: RequestState, tokens: list[int], text: str) ->
 
 class DecodingEngine:
     """`drafter`: a Drafter, "oracle", or None (plain decoding). `block_size`: the oracle's drafts per
-    round (default 16); a Drafter has its own block (None, or its config's value). `policy` decides per
+    round (default DEFAULT_BLOCK_SIZE); a Drafter has its own block (None, or its config's value). `policy` decides per
     round how many drafts each request verifies (scheduler.py; default: all of them). `max_rows`: the
     most requests decoded together (their caches grow with every row); later ones wait in the queue,
     first come first served (None: no limit). `prefill_chunk`: prompt tokens a waiting request prefills
@@ -113,17 +113,18 @@ class DecodingEngine:
             if block_size not in (None, drafter.config.block_size):
                 raise DominoError(f"the drafter drafts blocks of {drafter.config.block_size} tokens, not {block_size}: "
                                   f"leave the block size unset")
-            block_size = drafter.config.num_drafts
+            max_drafts = drafter.config.num_drafts
         elif drafter not in (None, "oracle"):
             raise DominoError(f"drafter must be a Drafter, 'oracle' or None, got {drafter!r}")
         else:
-            block_size = 16 if block_size is None else block_size
-            check_block_size(block_size)
+            max_drafts = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+            check_block_size(max_drafts)
         self.policy = policy or FullVerify()
         if self.policy.needs_confidence and not (isinstance(drafter, Drafter) and drafter.confidence is not None):
             given = {None: "decoding without a drafter", "oracle": "the oracle"}.get(drafter, "this drafter")
             raise DominoError(f"verify '{self.policy.name}' {NEEDS_CONFIDENCE_HEAD}; {given} has none")
-        self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.target, self.drafter = target, drafter
+        self.max_drafts = max_drafts  # drafted tokens per round at most (a DFlash drafter's block less its anchor)
         self.layer_ids = drafter.config.target_layer_ids if isinstance(drafter, Drafter) else []
         self.pending: dict[str, RequestState] = {}
         self.prefills: dict[str, Prefill] = {}  # of the pending requests whose prefill has begun
@@ -206,7 +207,7 @@ class DecodingEngine:
             self.states[request_id] = state
             self.anchors.append(int(first))
         state.stats.total_s = time.perf_counter() - state.started
-        return event(request_id, state, tokens, text), joining
+        return make_event(request_id, state, tokens, text), joining
 
     def _new_prefill(self, state: RequestState) -> Prefill:
         context = None
@@ -258,8 +259,8 @@ class DecodingEngine:
             return self.drafter.draft(self.caches.context, anchors, sampling, positions, screen,
                                       needed=int(caps.max()) + 1, valid=self.caches.valid,
                                       histories=[s.history for s in states])
-        upcoming = [s.reference[len(s.tokens): len(s.tokens) + self.block_size] for s in states]
-        tokens = torch.tensor([u + [PAD] * (self.block_size - len(u)) for u in upcoming], device=anchors.device)
+        upcoming = [s.reference[len(s.tokens): len(s.tokens) + self.max_drafts] for s in states]
+        tokens = torch.tensor([u + [PAD] * (self.max_drafts - len(u)) for u in upcoming], device=anchors.device)
         probs = None
         if not sampling.all_greedy:  # the oracle's proposals are certain: q is a point mass
             probs = point_masses(tokens, self.target.vocab_size)
@@ -296,7 +297,7 @@ class DecodingEngine:
         sampling = RowSampling([s.config.sampling for s in states], [s.seed for s in states], positions + 1)
         anchors = torch.tensor(self.anchors, device=device)
         proposes = self.drafter is not None
-        caps = torch.tensor([min(self.block_size, s.remaining - 1) if proposes else 0 for s in states], device=device)
+        caps = torch.tensor([min(self.max_drafts, s.remaining - 1) if proposes else 0 for s in states], device=device)
 
         start = time.perf_counter()
         draft = None
@@ -361,7 +362,7 @@ class DecodingEngine:
                                             if top is not None else None)
                 self.anchors[r] = committed[-1]
             state.stats.total_s = time.perf_counter() - state.started
-            events.append(event(request_id, state, tokens, text))
+            events.append(make_event(request_id, state, tokens, text))
             if state.finished:
                 done.append(request_id)
         self._retire(done)

@@ -50,7 +50,7 @@ class DominoHead(LogitHead):
     gru_bias = True
 
     def __init__(self, config: DrafterConfig):
-        super().__init__(config.rank, config.draft_vocab)
+        super().__init__(config.rank, config.scored_vocab_size)
         self.gru = nn.GRU(config.hidden_size, config.gru_hidden, batch_first=True, bias=self.gru_bias)
         self.proj = nn.Linear(config.hidden_size + config.gru_hidden, config.rank, bias=False)
 
@@ -84,7 +84,7 @@ class MarkovHead(LogitHead):
     """DSpark's Markov head: a low-rank bigram table, z_k = E[x_{k-1}]."""
 
     def __init__(self, config: DrafterConfig):
-        super().__init__(config.rank, config.draft_vocab)
+        super().__init__(config.rank, config.scored_vocab_size)
         self.embed = nn.Embedding(config.target_vocab_size, config.rank)
 
     def codes(self, h, prev_tokens, prev_embeds):
@@ -99,7 +99,7 @@ class RNNHead(LogitHead):
     s_k = g * s_{k-1} + (1 - g) * tanh(W_c z), g = sigmoid(W_g z), and codes tanh(W_o z)."""
 
     def __init__(self, config: DrafterConfig):
-        super().__init__(config.rank, config.draft_vocab)
+        super().__init__(config.rank, config.scored_vocab_size)
         self.embed = nn.Embedding(config.target_vocab_size, config.rank)
         width = config.gru_hidden + config.rank + config.hidden_size
         self.gate = nn.Linear(width, config.gru_hidden)

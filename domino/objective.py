@@ -95,14 +95,15 @@ def packed_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: i
 
 @dataclass
 class PackedBlocks:
-    """Every block of a packed batch, flattened to (n = b * m, B, ...)."""
+    """Every block of a packed batch, flattened to n = sequences x anchors per sequence blocks, each with
+    its k = num_drafts slots that propose (the block less a DFlash anchor's silent slot)."""
 
-    hidden: torch.Tensor  # (n, m, D) backbone output at the m = num_drafts slots that propose
-    labels: torch.Tensor  # (n, m) the tokens (target ids) each slot must predict
-    trained: torch.Tensor  # (n, m) slots whose label exists and is a response token
-    prev_tokens: torch.Tensor  # (n, m) the data's token before each label: anchor, then ground truth
-    rows: torch.Tensor  # (n, m) which sequence of the batch each block came from
-    positions: torch.Tensor  # (n, m) sequence position just before each label (where the target predicts it)
+    hidden: torch.Tensor  # (n, k, D) backbone output at the slots that propose
+    labels: torch.Tensor  # (n, k) the tokens (target ids) each slot must predict
+    trained: torch.Tensor  # (n, k) slots whose label exists and is a response token
+    prev_tokens: torch.Tensor  # (n, k) the data's token before each label: anchor, then ground truth
+    rows: torch.Tensor  # (n, k) which sequence of the batch each block came from
+    positions: torch.Tensor  # (n, k) sequence position just before each label (where the target predicts it)
 
 
 @dataclass

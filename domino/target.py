@@ -17,6 +17,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as transformers_logging
 
+from domino.config import check_layer_ids
 from domino.embedded import EMBEDDED_TARGETS, convert_embedded
 from domino.errors import DominoError
 from domino.formats import check_safetensors
@@ -36,15 +37,6 @@ def no_progress_bars() -> Iterator[None]:
     finally:
         if was_enabled:
             transformers_logging.enable_progress_bar()
-
-
-def check_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
-    for layer_id in layer_ids:
-        if not 0 <= layer_id < num_target_layers:
-            raise DominoError(
-                f"target layer id {layer_id} is out of range: the target has {num_target_layers} layers "
-                f"(valid ids 0..{num_target_layers - 1})"
-            )
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")  # what training may compute in, by torch's names

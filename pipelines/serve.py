@@ -35,8 +35,8 @@ from ray.exceptions import RayTaskError
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from domino.config import MAX_BLOCK_SIZE
-from domino.drafter import Drafter
+from domino.config import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
+from domino.drafter import Drafter, load_drafter
 from domino.engine import PREFILL_CHUNK, DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import choice_seed
@@ -62,7 +62,7 @@ class ServeArgs(BaseModel):
     drafter: str = Field("none", description="drafter checkpoint folder, 'none' (plain decoding) or 'oracle'")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
     block_size: int | None = Field(None, ge=2, le=MAX_BLOCK_SIZE,
-                                   description="draft block size; a checkpoint's own by default, 16 for the oracle")
+                                   description=f"draft block size; a checkpoint's own by default, {DEFAULT_BLOCK_SIZE} for the oracle")
     model_name: str | None = Field(None, description="the id clients send as `model` (default: the target)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs per replica (torch uses as many threads)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; the model runs on CUDA when > 0")
@@ -94,11 +94,9 @@ def load_engine(args: ServeArgs) -> DecodingEngine:
     device = "cuda" if args.num_gpus > 0 else "cpu"
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     target = Target.load(args.target, device=device, dtype=dtype)
-    drafter = args.drafter if args.drafter in ("none", "oracle") else Drafter.from_pretrained(args.drafter, target)
-    if isinstance(drafter, Drafter):
-        drafter = drafter.to(target.model.dtype)
+    drafter = load_drafter(args.drafter, target)
     policy = make_policy(args.verify, target, threshold=args.threshold, max_tokens=args.max_batch_tokens)
-    return DecodingEngine(target, None if drafter == "none" else drafter, block_size=args.block_size,
+    return DecodingEngine(target, drafter, block_size=args.block_size,
                           policy=policy, max_rows=args.max_rows, prefill_chunk=args.prefill_chunk)
 
 
@@ -309,12 +307,10 @@ def check_application(args: ServeArgs) -> None:
     the drafter is loaded as the replicas load it, on the meta device, so damaged or mismatched weights
     are refused here."""
     target = Target.shape_only(args.target)
-    drafter = None
-    if args.drafter not in ("none", "oracle"):
-        with warnings.catch_warnings():  # Torch warns that copying weights onto the meta device does nothing
-            warnings.simplefilter("ignore", UserWarning)
-            drafter = Drafter.from_pretrained(args.drafter, target).config
-    confident = drafter is not None and drafter.confidence_head
+    with warnings.catch_warnings():  # Torch warns that copying weights onto the meta device does nothing
+        warnings.simplefilter("ignore", UserWarning)
+        drafter = load_drafter(args.drafter, target)
+    confident = isinstance(drafter, Drafter) and drafter.config.confidence_head
     if POLICY_CLASSES[args.verify].needs_confidence and not confident:
         raise DominoError(f"verify={args.verify} {NEEDS_CONFIDENCE_HEAD}; drafter={args.drafter} has none")
 

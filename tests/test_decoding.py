@@ -167,7 +167,7 @@ def test_drafter_for_another_target_is_refused(target):
 
 def test_a_block_size_the_drafter_does_not_have_is_refused(target):
     drafter = tiny_drafter(target, block_size=4)
-    assert SpeculativeDecoder(target, drafter, block_size=4).engine.block_size == drafter.config.num_drafts
+    assert SpeculativeDecoder(target, drafter, block_size=4).engine.max_drafts == drafter.config.num_drafts
     with pytest.raises(DominoError, match="the drafter drafts blocks of 4 tokens, not 8"):
         SpeculativeDecoder(target, drafter, block_size=8)
 

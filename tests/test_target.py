@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from transformers import BertConfig, T5Config
 
-from domino.config import select_layer_ids
+from domino.config import check_layer_ids, select_layer_ids
 from domino.errors import DominoError
 from domino.packed_linear import PackedLinear, pack_linear_layers, unpack_linear_layers
-from domino.target import Target, check_layer_ids, resolve_target
+from domino.target import Target, resolve_target
 from helpers import tiny_target
 
 
