@@ -162,10 +162,13 @@ class DecodingEngine:
                 break
             admitted = self._admit(request_id, self.pending[request_id])
             if admitted is not None:  # its prefill is over: it leaves the queue, whatever became of it
-                del self.pending[request_id]
+                state = self.pending.pop(request_id)
                 event, caches = admitted
                 events.append(event)
-                if caches is not None:
+                if caches is not None:  # it decodes on, in a new last row of the batch
+                    self.ids.append(request_id)
+                    self.states[request_id] = state
+                    self.anchors.append(state.tokens[-1])
                     joining.append(caches)
         if joining:  # the batch's caches are copied once for all the rows that join
             if self.caches is None:
@@ -179,10 +182,10 @@ class DecodingEngine:
     # -- prefill ---------------------------------------------------------------------------------
     @torch.no_grad()
     def _admit(self, request_id: str, state: RequestState) -> tuple[Event, BatchCaches | None] | None:
-        """Prefill the next chunk of one request's prompt; after the last, give it a batch row (its ids,
-        state and anchor) and return its event and caches, the row's, for the caller to join to the batch
-        (None when it finished at once). None while chunks remain. A prefill that raises (out of memory
-        on a long prompt, say) fails this request alone: nothing of it has joined."""
+        """Prefill the next chunk of one request's prompt; after the last, return its event (its first token)
+        and its caches, for the caller to make it a batch row (None when it finished at once). None while
+        chunks remain. A prefill that raises (out of memory on a long prompt, say) fails this request alone:
+        nothing of it has joined."""
         first = logprobs = None
         try:
             if request_id not in self.prefills:
@@ -203,9 +206,6 @@ class DecodingEngine:
         if not state.finished:
             joining = BatchCaches(prefill.cache, prefill.context, torch.ones(1, len(state.prompt), dtype=torch.bool,
                                                                              device=self.target.device))
-            self.ids.append(request_id)
-            self.states[request_id] = state
-            self.anchors.append(int(first))
         state.stats.total_s = time.perf_counter() - state.started
         return make_event(request_id, state, tokens, text), joining
 
