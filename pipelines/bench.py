@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from domino.errors import DominoError
+from pipelines.training.errors import exit_status
 
 # command -> (module under pipelines.benchmarks, its function taking the command's arguments, what it measures)
 COMMANDS = {
@@ -44,11 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown benchmark '{command}'\n\n{usage()}", file=sys.stderr)
         return 2
     module, function, _ = COMMANDS[command]
-    try:
-        return getattr(importlib.import_module(f"pipelines.benchmarks.{module}"), function)(rest) or 0
-    except DominoError as error:  # bad input named in one line, whichever benchmark met it
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    # bad input named in one line, and Ctrl-C, whichever benchmark met them
+    return exit_status(lambda: getattr(importlib.import_module(f"pipelines.benchmarks.{module}"), function)(rest))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ def check_resources(cfg: PipelineConfig) -> None:
 
 def kept_checkpoints(cfg: PipelineConfig) -> str:
     last = checkpoints.latest(cfg)
-    return f"checkpoints up to step {last.step} are kept in {last.uri}" if last else "no checkpoint was written"
+    if last is None:
+        return "no checkpoint was written"
+    return f"checkpoints up to step {last.step} are kept in {last.uri}, and the same command resumes from there"
 
 
 def quiet_ray_notices() -> None:

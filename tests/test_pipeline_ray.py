@@ -231,7 +231,7 @@ def test_ctrl_c_while_training_ends_in_one_line(cluster, inputs, tmp_path):
     assert job.returncode == 130, out[-3000:]
     own = [line for line in out.splitlines() if not RAY_PROCESS_LINE.match(line)]  # Ray's actors may log tracebacks as the driver goes
     assert "[train] stopped: no checkpoint was written" in out and not [line for line in own if "Traceback" in line]
-    assert "interrupted: the checkpoints written so far are kept, and the same command resumes" in out
+    assert out.rstrip().endswith("interrupted")
 
 
 @pytest.mark.parametrize("make_data, message", [

@@ -30,14 +30,14 @@ def root_cause(error: BaseException) -> str:
 
 def exit_status(command: Callable[[], object]) -> int:
     """Run a command line's body: bad input (a DominoError) becomes one line on stderr and exit status 2,
-    and Ctrl-C one line and status 130, never a traceback."""
+    and Ctrl-C one line and status 130, never a traceback. A body that returns an int exits with it (a
+    load test with failed requests, say); any other value is success."""
     try:
-        command()
+        result = command()
     except DominoError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: the checkpoints written so far are kept, and the same command resumes from the last",
-              file=sys.stderr)
+        print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return result if isinstance(result, int) else 0
