@@ -175,7 +175,7 @@ class DraftingObjective(nn.Module):
         packed = self.pack(batch, anchors.to(device), valid.to(device))
         h, trained, prev_tokens = packed.hidden, packed.trained, packed.prev_tokens
         # labels outside a reduced draft vocabulary (-100) cannot be drafted: no cross-entropy, never correct
-        target_labels = drafter.to_draft_ids(packed.labels[trained])
+        draft_labels = drafter.to_draft_ids(packed.labels[trained])
         prev_embeds = drafter.embed(prev_tokens)
 
         # logits only where a label is trained: the vocab projection dominates memory
@@ -198,7 +198,7 @@ class DraftingObjective(nn.Module):
         def drafting_loss(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             """The loss of one set of logits (CE, or DSpark's 0.1 CE + 0.9 TV with distillation), its CE,
             and its TV per slot."""
-            ce = weighted_mean(F.cross_entropy(logits, target_labels, reduction="none", ignore_index=-100))
+            ce = weighted_mean(F.cross_entropy(logits, draft_labels, reduction="none", ignore_index=-100))
             if p_target is None:
                 return ce, ce, None
             # the target's mass outside a reduced draft vocabulary is distance the drafter cannot close
@@ -210,7 +210,7 @@ class DraftingObjective(nn.Module):
         loss, ce, tv = drafting_loss(final)
         if drafter.head is not None and curriculum_lambda > 0:
             loss = (1 - curriculum_lambda) * loss + curriculum_lambda * drafting_loss(base)[0]
-        hits = (final.detach().argmax(-1) == target_labels).float()  # the drafter's greedy choice is the label
+        hits = (final.detach().argmax(-1) == draft_labels).float()  # the drafter's greedy choice is the label
         metrics = {"ce": ce.detach()}
         if tv is not None:
             metrics["tv"] = weighted_mean(tv).detach()

@@ -2,7 +2,7 @@
 drafter (the target's own greedy continuation, so every draft is accepted) through the same loop.
 Methods alternate prompt by prompt, so both see the same machine load.
 
-    python -m pipelines.bench engine [--block-size 16] [--max-new-tokens 128]
+    python -m pipelines.bench engine [--block-size N] [--max-new-tokens 128]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import platform
 
 import torch
 
+from domino.config import DEFAULT_BLOCK_SIZE
 from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.target import DEFAULT_TARGET, Target
@@ -30,7 +31,7 @@ PROMPTS = [
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench engine", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--drafter", action="append", default=[], help="also time this drafter checkpoint")
     args = parser.parse_args(argv)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from domino.config import DEFAULT_BLOCK_SIZE
 from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.errors import DominoError
@@ -57,7 +58,7 @@ class Method:
         return Output(out[0, ids.shape[1]:].tolist(), seconds)
 
 
-def make_method(spec: str, target: Target, block_size: int = 16, verify: str = "full",
+def make_method(spec: str, target: Target, block_size: int = DEFAULT_BLOCK_SIZE, verify: str = "full",
                 sampling: SamplingParams = GREEDY, lookup_ngram: int | None = None) -> Method:
     """'autoregressive', 'hf-generate', 'prompt-lookup', 'oracle', or a drafter checkpoint given as
     PATH or NAME=PATH, whose drafts are verified by the policy named `verify` (domino.scheduler);

@@ -24,6 +24,7 @@ import shlex
 
 from tqdm.auto import tqdm
 
+from domino.config import DEFAULT_BLOCK_SIZE
 from domino.errors import DominoError
 from domino.sampling import SamplingParams
 from domino.scheduler import POLICIES
@@ -44,7 +45,7 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
                         help=f"{', '.join(BUILTIN)}, or drafter checkpoints as PATH or NAME=PATH")
     parser.add_argument("--prompts", type=int, default=10, help="conversations per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
-    parser.add_argument("--block-size", type=int, default=16, help="for the oracle")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="for the oracle")
     parser.add_argument("--verify", choices=POLICIES, nargs="+", default=["full"],
                         help="how many of its drafts a drafter's round verifies (threshold and confidence need "
                              "a confidence head; gated and confidence profile the target's steps per second "

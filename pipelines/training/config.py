@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from domino.config import HEAD_KINDS
 from domino.errors import DominoError
 from domino.formats import read_json
+from domino.objective import ObjectiveConfig
+from domino.training import TrainConfig
 from pipelines.training.errors import exit_status
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -84,19 +86,20 @@ class PipelineConfig(BaseModel):
     trainer_cpus: float = Field(1, gt=0, description="CPUs per training worker")
     trainer_gpus: float = Field(1, gt=0, le=1, description="GPUs per training worker with use_gpu (below 1 shares a GPU with feature actors)")
     batch_size: int = Field(2, ge=1, description="sequences per step per worker")
+    # steps and lr are the embedded recipe's (measured on 2 CPU cores); the library's TrainConfig keeps generic ones
     steps: int = Field(320, ge=1, description="optimiser steps in total (with `minutes`: at most)")
     minutes: float | None = Field(None, gt=0, description="wall-time budget of the training steps: the run times them (from step 6, refitting at every progress line) and keeps as many as fit, never more than `steps`; the schedule and curriculum span those, and checkpoints keep the count (null: all `steps`)")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (cosine schedule)")
-    warmup_fraction: float = Field(0.04, ge=0, lt=1, description="fraction of steps warming up the learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    grad_clip: float = Field(1.0, ge=0, description="gradient norm clipping (0: off)")
+    warmup_fraction: float = Field(TrainConfig.warmup_fraction, ge=0, lt=1, description="fraction of steps warming up the learning rate")
+    weight_decay: float = Field(TrainConfig.weight_decay, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(TrainConfig.grad_clip, ge=0, description="gradient norm clipping (0: off)")
     seed: int = Field(0, description="seeds the drafter's initial weights, the anchors drawn and the replay order")
-    anchors_per_sequence: int = Field(64, ge=1, description="blocks drawn from each sequence per step")
+    anchors_per_sequence: int = Field(ObjectiveConfig.anchors_per_sequence, ge=1, description="blocks drawn from each sequence per step")
     replay: int = Field(2, ge=1, description="steps per streamed batch: the extra ones replay batches kept in memory (features cost far more than a step)")
     replay_memory: int = Field(512, ge=1, description="streamed batches each worker keeps in host memory for replay")
-    curriculum_fraction: float = Field(0.5, ge=0, le=1, description="base-anchored curriculum: share of steps over which lambda falls to 0")
+    curriculum_fraction: float = Field(ObjectiveConfig.curriculum_fraction, ge=0, le=1, description="base-anchored curriculum: share of steps over which lambda falls to 0")
     decay: float | None = Field(None, gt=0, description="position-weight decay of the loss, w_k = exp(-k / decay) (null: the published value for the block size)")
-    confidence_weight: float = Field(1.0, ge=0, description="weight of the confidence head's loss")
+    confidence_weight: float = Field(ObjectiveConfig.confidence_weight, ge=0, description="weight of the confidence head's loss")
     deepspeed_config: str = Field("cluster/deepspeed/zero2.json", description="DeepSpeed JSON (relative paths: from the repository root)")
     log_every: int = Field(20, ge=1, description="steps between progress lines")
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints (a multiple of log_every)")
