@@ -241,6 +241,17 @@ class Drafter(nn.Module):
             self.register_load_state_dict_post_hook(lambda module, keys: module._pick_head_rows())
             self._pick_head_rows()
 
+    @classmethod
+    def initial(cls, config: DrafterConfig, target, seed: int, vocabulary=None) -> "Drafter":
+        """The drafter a training run starts from: weights drawn with `seed`, scoring `vocabulary` (target
+        ids) when the config reduces the draft vocabulary. The closing evaluation rebuilds it as its
+        untrained baseline."""
+        torch.manual_seed(seed)
+        drafter = cls(config, target.embed_tokens, target.lm_head)
+        if vocabulary is not None:
+            drafter.set_draft_vocabulary(torch.as_tensor(vocabulary))
+        return drafter
+
     # -- shared target pieces --------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target_modules[0](ids).to(self.fc.weight.dtype)

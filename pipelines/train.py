@@ -151,10 +151,7 @@ def run(cfg: PipelineConfig) -> dict:
     print(f"[train] drafter {'exported to' if 'metrics' in outcome else 'of that step:'} {state.drafter_uri}", flush=True)
 
     if found.held_out:
-        drafters = {"untrained": (None, None), f"trained (step {state.step})": (state.drafter_uri, None)}
-        if drafter.lookup_ngram:  # what the learned drafter does alone, without copies from the text
-            drafters["trained, no context lookup"] = (state.drafter_uri, 0)
-        rows = evaluate(cfg, target_path, drafters, drafter, found.held_out)
+        rows = evaluate(cfg, target_path, state, found.held_out)
         print(format_table(rows, cfg.eval_max_new_tokens), flush=True)
         outcome["tau"] = rows
     return outcome

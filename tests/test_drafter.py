@@ -160,3 +160,15 @@ def test_starting_from_the_target_copies_its_next_layer_and_passes_the_deepest_s
     too_deep = Drafter(DrafterConfig.for_target(target, layer_ids=[5], head="none"), target.embed_tokens, target.lm_head)
     with pytest.raises(DominoError, match="no layer 6 to start draft layers from"):
         too_deep.start_from_target(target)
+
+
+def test_the_initial_drafter_is_drawn_from_its_seed_and_scores_its_vocabulary():
+    """What training starts from, and what the closing evaluation rebuilds as its untrained baseline."""
+    target = tiny_target()
+    config = DrafterConfig.for_target(target, num_layers=1, block_size=4, draft_vocab_size=8)
+    vocabulary = torch.tensor([5, 3, 90, 7, 11, 40, 2, 60])
+    first, again = (Drafter.initial(config, target, seed=3, vocabulary=vocabulary) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), again.state_dict().values()))
+    assert torch.equal(first.draft_to_target, vocabulary)
+    other = Drafter.initial(config, target, seed=4, vocabulary=vocabulary)
+    assert not torch.equal(first.fc.weight, other.fc.weight)

@@ -116,10 +116,7 @@ class Batches:
 
 def build(settings: dict, train_config: TrainConfig, target: Target, seed: int) -> tuple[Drafter, DraftingObjective]:
     config = DrafterConfig(**settings["drafter"])
-    torch.manual_seed(seed)
-    drafter = Drafter(config, target.embed_tokens, target.lm_head)
-    if settings["draft_vocabulary"] is not None:
-        drafter.set_draft_vocabulary(torch.tensor(settings["draft_vocabulary"]))
+    drafter = Drafter.initial(config, target, seed, settings["draft_vocabulary"])
     objective = DraftingObjective(drafter, train_config.objective, seed=seed)
     return drafter, objective.to(target.device)
 

@@ -211,12 +211,10 @@ def held_out_acceptance(drafter: Drafter, held_out: HeldOut, shuffled: bool = Fa
 
 def train_variant(variant: Variant, target: Target, store: FeatureStore, counts: np.ndarray,
                   held_out: HeldOut, steps: int, batch_size: int, evaluations: int, seed: int = 0) -> Curve:
-    torch.manual_seed(seed)
     config = DrafterConfig.for_target(target, num_layers=1, layer_ids=list(variant.layer_ids), block_size=variant.block_size,
                                       head=variant.head, rank=64, draft_vocab_size=variant.draft_vocab_size)
-    drafter = Drafter(config, target.embed_tokens, target.lm_head)
-    if variant.draft_vocab_size:
-        drafter.set_draft_vocabulary(most_frequent(counts, variant.draft_vocab_size))
+    vocabulary = most_frequent(counts, variant.draft_vocab_size) if variant.draft_vocab_size else None
+    drafter = Drafter.initial(config, target, seed, vocabulary)
     if variant.from_target:
         drafter.start_from_target(target)
     train_config = TrainConfig(steps=steps, lr=variant.lr, objective=ObjectiveConfig(

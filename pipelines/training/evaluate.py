@@ -11,27 +11,27 @@ import ray
 import ray.train
 import torch
 
-from domino.config import DrafterConfig
 from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.sampling import SamplingParams
 from domino.target import Target
+from pipelines.training.checkpoints import RunState
 from pipelines.training.config import PipelineConfig
 
 
-def measure_tau(target_path: str, drafter_uri: str | None, config: DrafterConfig, prompts: list[str],
-                max_new_tokens: int, device: str, seed: int, lookup_ngram: int | None = None) -> list[float]:
-    """tau per prompt for the drafter exported at `drafter_uri` (local path or s3://), or for an untrained
-    drafter built from `config` with the trainer's seed when `drafter_uri` is None; `lookup_ngram`
-    overrides the drafter's context lookup (0: the learned drafter alone)."""
+def measure_tau(target_path: str, drafter_uri: str, prompts: list[str], max_new_tokens: int, device: str,
+                lookup_ngram: int | None = None, initial_seed: int | None = None) -> list[float]:
+    """tau per prompt for the drafter exported at `drafter_uri` (local path or s3://). With `initial_seed`,
+    for the drafter its training started from instead: the same shape and draft vocabulary, its weights
+    drawn again as the trainer drew them. `lookup_ngram` overrides the drafter's context lookup (0: the
+    learned drafter alone)."""
     torch.set_num_threads(1)
     target = Target.load(target_path, device=device)
-    if drafter_uri is None:
-        torch.manual_seed(seed)
-        drafter = Drafter(config, target.embed_tokens, target.lm_head).to(target.device).eval()
-    else:
-        with ray.train.Checkpoint(drafter_uri).as_directory() as folder:
-            drafter = Drafter.from_pretrained(Path(folder), target)
+    with ray.train.Checkpoint(drafter_uri).as_directory() as folder:
+        drafter = Drafter.from_pretrained(Path(folder), target)
+    if initial_seed is not None:
+        vocabulary = drafter.draft_to_target if drafter.config.draft_vocab_size else None
+        drafter = Drafter.initial(drafter.config, target, initial_seed, vocabulary).to(target.device).eval()
     if lookup_ngram is not None:
         drafter.set_lookup(lookup_ngram)
     decoder = SpeculativeDecoder(target, drafter)
@@ -39,14 +39,16 @@ def measure_tau(target_path: str, drafter_uri: str | None, config: DrafterConfig
     return [decoder.generate(target.encode_prompt(json.loads(p)), generation).stats.tau for p in prompts]
 
 
-def evaluate(cfg: PipelineConfig, target_path: str, drafters: dict[str, tuple[str | None, int | None]],
-             config: DrafterConfig, prompts: list[str]) -> list[dict]:
-    """One Ray task per drafter, side by side (one CPU each, and the feature actors' GPU share); rows for
-    the table. `drafters`: name -> (checkpoint URI or None for an untrained one, lookup_ngram override or None)."""
+def evaluate(cfg: PipelineConfig, target_path: str, state: RunState, prompts: list[str]) -> list[dict]:
+    """The exported drafter against the one its training started from (untrained), and, with context lookup,
+    without it: one Ray task per row, side by side (one CPU each, and the feature actors' GPU share)."""
     task = ray.remote(measure_tau).options(num_cpus=1, num_gpus=cfg.feature_gpus)
     device = "cuda" if cfg.feature_gpus else "cpu"
-    pending = {name: task.remote(target_path, uri, config, prompts, cfg.eval_max_new_tokens, device, cfg.seed, lookup)
-               for name, (uri, lookup) in drafters.items()}
+    rows = {"untrained": dict(initial_seed=cfg.seed), f"trained (step {state.step})": {}}
+    if cfg.lookup_ngram:  # what the learned drafter does alone, without copies from the text
+        rows["trained, no context lookup"] = dict(lookup_ngram=0)
+    pending = {name: task.remote(target_path, state.drafter_uri, prompts, cfg.eval_max_new_tokens, device, **options)
+               for name, options in rows.items()}
     rows = []
     for name, ref in pending.items():
         taus = ray.get(ref)

@@ -216,10 +216,7 @@ def train_worker(config: dict) -> None:
         os.environ["LOCAL_RANK"] = str(device.index)
 
     target = Target.load(config["target_path"], device=device)
-    torch.manual_seed(cfg.seed)
-    drafter = Drafter(drafter_config(cfg, target), target.embed_tokens, target.lm_head)
-    if config["draft_vocabulary"] is not None:
-        drafter.set_draft_vocabulary(torch.tensor(config["draft_vocabulary"]))
+    drafter = Drafter.initial(drafter_config(cfg, target), target, cfg.seed, config["draft_vocabulary"])
     tc = train_config(cfg, device)
     objective = DraftingObjective(drafter, tc.objective, seed=cfg.seed + rank)
     engine, *_ = deepspeed.initialize(
