@@ -101,7 +101,8 @@ def run(cfg: PipelineConfig) -> dict:
     cfg.deepspeed()
     if cfg.data != EMBEDDED_DATA:
         list_files(cfg.data)
-    if connect():
+    fixed_size = connect()
+    if fixed_size:
         check_resources(cfg)
     state = checkpoints.latest(cfg)
     if state is not None:

@@ -70,6 +70,7 @@ def make_method(spec: str, target: Target, block_size: int = DEFAULT_BLOCK_SIZE,
     if spec == "hf-generate":
         return Method(spec, target, sampling=sampling)
     if spec == "prompt-lookup":
+        # 10 tokens a lookup, the value Hugging Face's documentation of prompt lookup decoding uses
         return Method(spec, target, hf_options=dict(prompt_lookup_num_tokens=10), sampling=sampling)
     name, _, path = spec.rpartition("=")
     if name in BUILTIN:

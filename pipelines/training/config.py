@@ -66,7 +66,7 @@ class PipelineConfig(BaseModel):
     # -- drafter --------------------------------------------------------------------------------------
     draft_layers: int = Field(1, ge=1, description="layers of the drafter backbone")
     target_layer_ids: list[int] | None = Field([-3], description="target layers whose outputs the drafter reads (negative: from the last, -1; null: DFlash's choice, one per draft layer)")
-    block_size: int = Field(8, ge=2, description="tokens drafted per round")
+    block_size: int = Field(8, ge=2, description="block positions drafted per round (label_convention dflash: the first, the anchor's, proposes nothing)")
     head: str = Field("markov", description=f"sequential head: {', '.join(HEAD_KINDS)} (sglang-domino: the "
                                             f"head SGLang serves, for `python -m domino export --format sglang-domino`)")
     label_convention: Literal["shifted", "dflash"] = Field(
