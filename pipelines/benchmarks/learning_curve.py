@@ -54,7 +54,7 @@ class Variant:
     name: str
     data: str = "text"  # "text": ShareGPT's own answers; "regenerated": the target's answers to the first prompts
     labels: str = "target"  # "data": the text's next token; "target": the target's greedy choice there
-    layer_ids: tuple[int, ...] = (27,)
+    layer_ids: tuple[int, ...] = (27,)  # SmolLM2-135M's third-from-last of 30, as the variants' ids are its own
     anchors: int = 64
     head: str = "none"
     curriculum_fraction: float = 0.5
@@ -270,7 +270,7 @@ def measure_checkpoints(drafters: dict[Path, Drafter], held_out: HeldOut) -> Non
               f"{' '.join(f'{a:.2f}' for a in row['acceptance'][:4])} |", flush=True)
 
 
-def plot(curves: list[Curve], path: Path) -> None:
+def plot(curves: list[Curve], path: Path, batch_size: int) -> None:
     """Held-out tau against steps (the same for every variant) and against measured cost, and each
     variant's final acceptance by block position (the suffix decay the heads are meant to cure)."""
     import matplotlib
@@ -283,7 +283,7 @@ def plot(curves: list[Curve], path: Path) -> None:
             axis.plot([p[key] for p in curve.points], [p["tau"] for p in curve.points], marker="o", label=curve.variant.name)
         acceptance = curve.points[-1]["acceptance"]
         by_position.plot(range(1, len(acceptance) + 1), acceptance, marker="o", label=curve.variant.name)
-    by_step.set_xlabel("drafter steps (2 sequences each)")
+    by_step.set_xlabel(f"drafter steps ({batch_size} sequences each)")
     by_cost.set_xlabel("cost on one core, minutes (target features + regeneration + drafter steps)")
     by_step.set_ylabel("held-out tau (greedy acceptance at every answer position)")
     by_cost.sharey(by_step)
@@ -357,6 +357,6 @@ def main(argv: list[str]) -> int:
         print(f"| {curve.variant.name} | {changed or '-'} | {last['minutes']:.1f} | {last['tokens']} | "
               f"{last['tau']:.3f} | {last['tau_lookup']:.3f} | {last['tau_shuffled']:.3f} | {' '.join(f'{a:.2f}' for a in last['acceptance'][:4])} | {last['train_tau']:.3f} |")
     if args.out:
-        plot(curves, args.out)
+        plot(curves, args.out, args.batch_size)
         print(f"\nplot: {args.out}")
     return 0
