@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 if not __package__:  # run as a script: make the repository importable here and in the Ray workers it starts
@@ -29,6 +30,7 @@ import warnings  # noqa: E402
 import ray  # noqa: E402
 from ray.util.annotations import RayDeprecationWarning  # noqa: E402
 
+from domino.config import DrafterConfig  # noqa: E402
 from domino.errors import DominoError  # noqa: E402
 from domino.target import Target, resolve_target  # noqa: E402
 from domino.vocabulary import coverage, most_frequent  # noqa: E402
@@ -92,10 +94,19 @@ def quiet_ray_notices() -> None:
     warnings.filterwarnings("ignore", message=".*exclude_resources", category=RayDeprecationWarning)
 
 
-def run(cfg: PipelineConfig) -> dict:
-    """Run the whole job. Returns what it measured: `drafter` (its config), `checkpoint` (the newest,
-    a RunState), `epoch_tokens` (tokens in one pass over the training sequences), and when they were
-    produced, `metrics` (the last training report) and `tau` (the evaluation table's rows)."""
+@dataclass
+class RunOutcome:
+    """What the job measured."""
+
+    drafter: DrafterConfig
+    epoch_tokens: int  # tokens in one pass over the training sequences
+    checkpoint: checkpoints.RunState | None = None  # the newest
+    metrics: dict | None = None  # the last training report; None when this run trained nothing (already finished)
+    tau: list[dict] = field(default_factory=list)  # the closing table's rows (none without held-out prompts)
+
+
+def run(cfg: PipelineConfig) -> RunOutcome:
+    """Run the whole job: check, survey the data, train (or resume), export, and measure tau."""
     target_path = resolve_target(cfg.target)  # what can be checked without Ray is, before it starts
     drafter = drafter_config(cfg, Target.shape_only(cfg.target))
     cfg.deepspeed()
@@ -114,7 +125,7 @@ def run(cfg: PipelineConfig) -> dict:
     check_survey(found, cfg)
     checkpoints.check_writable(cfg)
 
-    outcome: dict = {"drafter": drafter, "epoch_tokens": found.tokens}
+    outcome = RunOutcome(drafter, found.tokens)
     changed = state.changed(cfg) if state is not None else ""
     if state is not None and state.finished(cfg):
         print(f"[train] run '{cfg.run_name}' is already trained to step {state.step}: nothing to train"
@@ -128,8 +139,8 @@ def run(cfg: PipelineConfig) -> dict:
         if cfg.regenerate:
             start = time.perf_counter()
             rows = regenerated(rows, cfg, target_path).materialize()  # token ids only, kept in memory
-            outcome["epoch_tokens"], count = rows.sum("num_tokens"), rows.count()
-            print(f"[regenerate] {count} answers by the target ({outcome['epoch_tokens']} tokens with their "
+            outcome.epoch_tokens, count = rows.sum("num_tokens"), rows.count()
+            print(f"[regenerate] {count} answers by the target ({outcome.epoch_tokens} tokens with their "
                   f"prompts) in {time.perf_counter() - start:.0f} s", flush=True)
         vocabulary = None
         if drafter.draft_vocab_size:  # the target's own answers, when it rewrote them, else the data's
@@ -146,15 +157,15 @@ def run(cfg: PipelineConfig) -> dict:
         except KeyboardInterrupt:
             print(f"[train] stopped: {kept_checkpoints(cfg)}", flush=True)
             raise
-        outcome["metrics"] = result.metrics
+        outcome.metrics = result.metrics
         state = checkpoints.latest(cfg)
-    outcome["checkpoint"] = state
-    print(f"[train] drafter {'exported to' if 'metrics' in outcome else 'of that step:'} {state.drafter_uri}", flush=True)
+    outcome.checkpoint = state
+    print(f"[train] drafter {'exported to' if outcome.metrics is not None else 'of that step:'} {state.drafter_uri}", flush=True)
 
     if found.held_out:
         rows = evaluate(cfg, target_path, state, found.held_out)
         print(format_table(rows, cfg.eval_max_new_tokens), flush=True)
-        outcome["tau"] = rows
+        outcome.tau = rows
     return outcome
 
 

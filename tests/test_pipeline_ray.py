@@ -199,7 +199,7 @@ def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
     run_dir, storage = submitted["run_dir"], submitted["storage"]
     before = {p: p.stat().st_mtime for p in files_under(run_dir)}
     # the same run again: already trained (to the steps its budget kept), nothing is redone
-    assert "metrics" not in run(config(inputs, storage, regenerate=True, lr=1e-3, **BUDGETED))
+    assert run(config(inputs, storage, regenerate=True, lr=1e-3, **BUDGETED)).metrics is None
     out = capfd.readouterr().out
     assert f"already trained to step {submitted['fitted']}" in out and "lr 0.003 -> 0.001" in out  # a setting it did not train with
     assert "[train] drafter of that step: " in out and "exported" not in out  # nothing new was written

@@ -261,6 +261,7 @@ def test_gpu_check_parses_its_arguments_into_a_valid_config(tmp_path):
 def test_benchmark_report_counts_the_cache_it_avoided_and_what_was_written(tmp_path):
     from domino.config import DrafterConfig
     from pipelines.benchmarks.pipeline import cache_bytes_per_token, report
+    from pipelines.train import RunOutcome
 
     cfg = parse_args([f"storage_path={tmp_path}", "run_name=r"])
     drafter = DrafterConfig(target_hidden_size=576, target_vocab_size=49152, target_num_layers=30,
@@ -270,7 +271,7 @@ def test_benchmark_report_counts_the_cache_it_avoided_and_what_was_written(tmp_p
     (tmp_path / "r" / "step_000001" / "weights").write_bytes(b"x" * 2**20)
     metrics = {"run_feature_tokens_per_s": 300.0, "run_train_tokens_per_s": 150.0, "run_data_wait": [0.05],
                "run_tokens": 1000.0, "first_batch_s": 12.0}
-    text = report(cfg, {"metrics": metrics, "drafter": drafter, "epoch_tokens": 2**20}, 600)
+    text = report(cfg, RunOutcome(drafter, epoch_tokens=2**20, metrics=metrics), 600)
     assert "| producer capacity / trainer demand | 2.00 |" in text
     assert "| data wait per trainer (share of wall time after the first batch) | 5.0% |" in text
     assert "| offline cache for one epoch (1048576 tokens) | 1.13 GiB |" in text

@@ -19,7 +19,7 @@ from pyarrow import fs
 from domino.errors import DominoError
 from pipelines.training.config import PipelineConfig, command_line, parse_args
 from pipelines.training.features import DTYPES
-from pipelines.train import run
+from pipelines.train import RunOutcome, run
 
 
 def cache_bytes_per_token(cfg: PipelineConfig, drafter) -> int:
@@ -39,15 +39,15 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def report(cfg: PipelineConfig, outcome: dict, seconds: float) -> str:
+def report(cfg: PipelineConfig, outcome: RunOutcome, seconds: float) -> str:
     """The benchmark's markdown: throughput, data wait, and disk."""
-    m = outcome["metrics"]
-    per_token = cache_bytes_per_token(cfg, outcome["drafter"])
+    m = outcome.metrics
+    per_token = cache_bytes_per_token(cfg, outcome.drafter)
     written = bytes_under(f"{cfg.storage_uri}/{cfg.run_name}")
     producer = m["run_feature_tokens_per_s"]
     lines = [
         f"Run `{cfg.run_name}`: {cfg.steps} steps, {cfg.num_workers} trainer(s) x batch {cfg.batch_size}, "
-        f"{cfg.feature_actors} feature actor(s), {outcome['epoch_tokens']} tokens per epoch, "
+        f"{cfg.feature_actors} feature actor(s), {outcome.epoch_tokens} tokens per epoch, "
         f"{m['run_tokens']:.0f} tokens trained on after the first batch, {seconds / 60:.1f} min end to end; "
         f"first batch {m['first_batch_s']:.0f} s after the trainers started.",
         "",
@@ -60,14 +60,14 @@ def report(cfg: PipelineConfig, outcome: dict, seconds: float) -> str:
         "| data wait per trainer (share of wall time after the first batch) | "
         + ", ".join(f"{w:.1%}" for w in m["run_data_wait"]) + " |",
         f"| offline cache: bytes per token | {per_token} |",
-        f"| offline cache for one epoch ({outcome['epoch_tokens']} tokens) | {gib(per_token * outcome['epoch_tokens'])} |",
+        f"| offline cache for one epoch ({outcome.epoch_tokens} tokens) | {gib(per_token * outcome.epoch_tokens)} |",
         f"| features streamed through memory ({m['run_tokens']:.0f} tokens) | {gib(per_token * m['run_tokens'])} |",
         f"| written by the run: checkpoints in storage_path | {gib(written)} |",
         "| written by the run: features, caches, spilled objects | 0 (what tests/test_pipeline_ray.py checks) |",
     ]
-    if outcome.get("tau"):
+    if outcome.tau:
         lines += ["", "| drafter | prompts | tau (mean) |", "| --- | --- | --- |"]
-        lines += [f"| {r['drafter']} | {r['prompts']} | {r['tau']:.2f} |" for r in outcome["tau"]]
+        lines += [f"| {r['drafter']} | {r['prompts']} | {r['tau']:.2f} |" for r in outcome.tau]
     return "\n".join(lines)
 
 
@@ -76,7 +76,7 @@ def benchmark(argv: list[str]) -> None:
     print(f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}", flush=True)
     start = time.perf_counter()
     outcome = run(cfg)
-    if "metrics" not in outcome:
+    if outcome.metrics is None:
         raise DominoError(f"run '{cfg.run_name}' was already trained: benchmark a fresh run_name")
     print(report(cfg, outcome, time.perf_counter() - start))
 
