@@ -170,9 +170,7 @@ class FeatureStore:
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     """The trainers' own padding collate, over rows kept by a FeatureStore."""
     columns = {key: object_column([row[key] for row in rows]) for key in rows[0]}
-    batch = PadCollate("bfloat16")({**columns, "target_seconds": np.zeros(len(rows))})
-    batch.pop("target_seconds")
-    return batch
+    return PadCollate("bfloat16")(columns)
 
 
 class HeldOut:

@@ -52,14 +52,16 @@ def train_config(cfg: PipelineConfig, device: torch.device) -> TrainConfig:
 
 
 class PadCollate(NumpyBatchCollateFn):
-    """Ragged sequences from the stream -> right-padded tensors, plus their lengths."""
+    """Ragged sequences from the stream -> right-padded tensors, plus their lengths (and the target time the
+    feature actors spent on them, when the stream carries it)."""
 
     def __init__(self, dtype: str):
         self.dtype = dtype  # the feature transport dtype
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        out = {"lengths": torch.tensor([len(ids) for ids in batch["input_ids"]]),
-               "target_seconds": torch.tensor(float(np.sum(batch["target_seconds"])))}
+        out = {"lengths": torch.tensor([len(ids) for ids in batch["input_ids"]])}
+        if "target_seconds" in batch:
+            out["target_seconds"] = torch.tensor(float(np.sum(batch["target_seconds"])))
         for key, dtype in (("input_ids", np.int64), ("loss_mask", bool), ("target_next", np.int64)):
             if key in batch:
                 out[key] = pad_sequence([torch.from_numpy(np.asarray(row, dtype=dtype)) for row in batch[key]],
