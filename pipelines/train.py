@@ -84,11 +84,14 @@ def kept_checkpoints(cfg: PipelineConfig) -> str:
 def quiet_ray_notices() -> None:
     """Run in the driver and in every worker of the local cluster the job starts: notices a user can do
     nothing about (Ray Train's own use of an option Ray Data deprecated; that the progress bars the job
-    turned off are off) stay out of the job's output, and so does Ray Train's note on resuming, which
+    turned off are off; that the private cluster has token authentication on, Ray's default, whose absence
+    is still announced) stay out of the job's output, and so does Ray Train's note on resuming, which
     suggests deleting the run's folder (the job's own line says which checkpoint it resumes from)."""
     from ray.train.v2._internal.execution.checkpoint import checkpoint_manager
 
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda record: not record.getMessage().startswith("Token authentication is enabled"))
     # a filter, not a level: Ray Train's controller loads a logging config that resets its loggers' levels
     logging.getLogger(checkpoint_manager.__name__).addFilter(lambda record: record.levelno >= logging.WARNING)
     warnings.filterwarnings("ignore", message=".*exclude_resources", category=RayDeprecationWarning)

@@ -2,6 +2,7 @@
 assistant-only loss masks, feature transport and the padding collate."""
 
 import json
+import logging
 
 import numpy as np
 import pyarrow as pa
@@ -310,3 +311,21 @@ def test_a_command_interrupted_with_ctrl_c_ends_in_one_line(capsys):
 
     assert exit_status(interrupted) == 130
     assert capsys.readouterr().err == "interrupted\n"  # the command's own line says what is kept
+
+
+def test_the_private_clusters_token_authentication_notice_is_quiet_and_its_absence_is_not():
+    from ray._private.authentication import authentication_token_setup as auth
+
+    from pipelines.train import quiet_ray_notices
+
+    quiet_ray_notices()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    auth.logger.addHandler(handler)
+    try:
+        auth._warn_token_auth_enabled()
+        auth._warn_token_auth_disabled()
+    finally:
+        auth.logger.removeHandler(handler)
+    assert [r.getMessage()[:41] for r in records] == ["Token authentication is disabled for this"]
