@@ -85,15 +85,20 @@ def quiet_ray_notices() -> None:
     """Run in the driver and in every worker of the local cluster the job starts: notices a user can do
     nothing about (Ray Train's own use of an option Ray Data deprecated; that the progress bars the job
     turned off are off; that the private cluster has token authentication on, Ray's default, whose absence
-    is still announced) stay out of the job's output, and so does Ray Train's note on resuming, which
-    suggests deleting the run's folder (the job's own line says which checkpoint it resumes from)."""
+    is still announced; how Ray Train starts its worker group, which the job's own "[train] N worker(s)"
+    line reports, at every restart too) stay out of the job's output, and so does Ray Train's note on
+    resuming, which suggests deleting the run's folder (the job's own line says which checkpoint it resumes
+    from)."""
+    from ray.train.torch import config as torch_backend
     from ray.train.v2._internal.execution.checkpoint import checkpoint_manager
+    from ray.train.v2._internal.execution.worker_group import worker_group
 
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
         lambda record: not record.getMessage().startswith("Token authentication is enabled"))
     # a filter, not a level: Ray Train's controller loads a logging config that resets its loggers' levels
-    logging.getLogger(checkpoint_manager.__name__).addFilter(lambda record: record.levelno >= logging.WARNING)
+    for module in (checkpoint_manager, worker_group, torch_backend):
+        logging.getLogger(module.__name__).addFilter(lambda record: record.levelno >= logging.WARNING)
     warnings.filterwarnings("ignore", message=".*exclude_resources", category=RayDeprecationWarning)
 
 

@@ -313,8 +313,11 @@ def test_a_command_interrupted_with_ctrl_c_ends_in_one_line(capsys):
     assert capsys.readouterr().err == "interrupted\n"  # the command's own line says what is kept
 
 
-def test_the_private_clusters_token_authentication_notice_is_quiet_and_its_absence_is_not():
+def test_ray_notices_a_user_can_do_nothing_about_are_quiet_and_warnings_are_not():
+    """The token-authentication notice of a private cluster (its absence still warns), and Ray Train's
+    worker-group start-up lines (the job's own line reports the workers)."""
     from ray._private.authentication import authentication_token_setup as auth
+    from ray.train.v2._internal.execution.worker_group import worker_group
 
     from pipelines.train import quiet_ray_notices
 
@@ -322,10 +325,14 @@ def test_the_private_clusters_token_authentication_notice_is_quiet_and_its_absen
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    auth.logger.addHandler(handler)
+    for logger in (auth.logger, worker_group.logger):
+        logger.addHandler(handler)
     try:
         auth._warn_token_auth_enabled()
         auth._warn_token_auth_disabled()
+        worker_group.logger.info("Started training worker group of size 1")
+        worker_group.logger.warning("a worker died")
     finally:
-        auth.logger.removeHandler(handler)
-    assert [r.getMessage()[:41] for r in records] == ["Token authentication is disabled for this"]
+        for logger in (auth.logger, worker_group.logger):
+            logger.removeHandler(handler)
+    assert [r.getMessage()[:41] for r in records] == ["Token authentication is disabled for this", "a worker died"]
