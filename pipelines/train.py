@@ -51,7 +51,8 @@ def connect() -> bool:
     # Set before a local cluster starts, these reach every worker too (a cluster's own are its operator's):
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else every worker line is printed twice
     os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")  # not each dataset's execution plan and start and end
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # not a bar each time a worker loads the target
+    # not a download bar on each worker that fetches a hub target (Target.load hides its own loading bar)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     ray.data.DataContext.get_current().enable_progress_bars = False  # bars redrawn in a log are noise
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     quiet_ray_notices()
