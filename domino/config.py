@@ -154,18 +154,19 @@ class DrafterConfig:
             raise DominoError(f"unknown drafter option(s): {', '.join(sorted(unknown))}")
         return cls(**{**defaults, **overrides})
 
-    def check_target(self, target: "Target") -> None:
-        """Refuse a target this drafter was not trained for, saying which fact differs."""
+    def check_target(self, target: "Target", source: str = "this drafter") -> None:
+        """Refuse a target this drafter was not made for, saying which fact differs."""
         facts = [
             ("hidden size", self.target_hidden_size, target.hidden_size),
             ("vocabulary size", self.target_vocab_size, target.vocab_size),
             ("number of layers", self.target_num_layers, target.num_layers),
         ]
+        named = f" ('{self.target_name}')" if self.target_name else ""
         for what, mine, theirs in facts:
             if mine != theirs:
                 raise DominoError(
-                    f"this drafter was trained for a target with {what} {mine} ('{self.target_name}'), but "
-                    f"'{target.name}' has {theirs}: load the target it was trained for, or train a drafter for this one"
+                    f"{source} was made for a target with {what} {mine}{named}, but '{target.name}' has "
+                    f"{theirs}: load the target it was made for, or train a drafter for this one"
                 )
 
     def save(self, path: str | Path) -> None:

@@ -30,7 +30,7 @@ from domino.errors import DominoError
 from domino.batch_caches import BatchCaches
 from domino.requests import GenerationConfig, GenerationResult, RequestState, TokenLogprob
 from domino.sampling import ACCEPT, TARGET, RowSampling, point_masses
-from domino.scheduler import NEEDS_CONFIDENCE_HEAD, FullVerify
+from domino.scheduler import FullVerify, check_fits
 from domino.target import Target
 from domino.verify import greedy_accept, speculative_accept
 
@@ -120,9 +120,7 @@ class DecodingEngine:
             max_drafts = DEFAULT_BLOCK_SIZE if block_size is None else block_size
             check_block_size(max_drafts)
         self.policy = policy or FullVerify()
-        if self.policy.needs_confidence and not (isinstance(drafter, Drafter) and drafter.confidence is not None):
-            given = {None: "decoding without a drafter", "oracle": "the oracle"}.get(drafter, "this drafter")
-            raise DominoError(f"verify '{self.policy.name}' {NEEDS_CONFIDENCE_HEAD}; {given} has none")
+        check_fits(self.policy, drafter)
         self.target, self.drafter = target, drafter
         self.max_drafts = max_drafts  # drafted tokens per round at most (a DFlash drafter's block less its anchor)
         self.layer_ids = drafter.config.target_layer_ids if isinstance(drafter, Drafter) else []

@@ -10,6 +10,7 @@ config translation; whatever either side has that the other cannot express is re
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -188,21 +189,6 @@ def refuse_unsupported(config: dict, path: Path) -> None:
             raise DominoError(f"the DFlash drafter at {path} has {what}: domino cannot serve it as it is")
 
 
-def check_dflash_target(config: dict, layer_ids: list[int], path: Path, target: "Target") -> None:
-    """Refuse a DFlash checkpoint made for another target, saying which fact differs."""
-    facts = [("hidden size", config.get("hidden_size"), target.hidden_size),
-             ("vocabulary size", config.get("vocab_size"), target.vocab_size),
-             ("number of layers", config.get("num_target_layers"), target.num_layers)]
-    for what, theirs, ours in facts:
-        if theirs != ours:
-            raise DominoError(f"the DFlash drafter at {path} was made for a target with {what} {theirs}, but "
-                              f"'{target.name}' has {ours}: load the target it was made for")
-    outside = [i for i in layer_ids if not 0 <= i < target.num_layers]
-    if outside:
-        raise DominoError(f"the DFlash drafter at {path} reads target layers {layer_ids}, but '{target.name}' has "
-                          f"{target.num_layers} (ids 0..{target.num_layers - 1}): load the target it was made for")
-
-
 def dflash_config(config: dict, path: Path, target: "Target") -> DrafterConfig:
     """Our config for a DFlash (or SGLang Domino) checkpoint's config.json."""
     missing = [name for name in DFLASH_REQUIRED if name not in config]
@@ -212,7 +198,6 @@ def dflash_config(config: dict, path: Path, target: "Target") -> DrafterConfig:
     layer_ids = dflash_value(config, "target_layer_ids")
     if layer_ids is None:  # z-lab's loader derives them from the two depths
         layer_ids = select_layer_ids(config["num_target_layers"], config["num_hidden_layers"])
-    check_dflash_target(config, layer_ids, path, target)
     heads = config["num_attention_heads"]
     rope = config.get("rope_parameters") or {}
     domino = dflash_value(config, "projector_type") == "domino"
@@ -227,12 +212,17 @@ def dflash_config(config: dict, path: Path, target: "Target") -> DrafterConfig:
         num_key_value_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         intermediate_size=config["intermediate_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), target_name=target.name,
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
     )
     if domino:
         options.update(rank=int(dflash_value(config, "emb_dim")),
                        gru_hidden=int(dflash_value(config, "gru_hidden_dim")))
-    return DrafterConfig(**options)
+    try:
+        drafter = DrafterConfig(**options)
+    except DominoError as error:
+        raise DominoError(f"the DFlash config at {path} describes no drafter domino can build: {error}") from None
+    drafter.check_target(target, f"the DFlash drafter at {path}")
+    return replace(drafter, target_name=target.name)  # DFlash configs do not name their target
 
 
 def dflash_weights(weights: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:

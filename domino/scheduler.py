@@ -299,7 +299,15 @@ class ConfidenceScheduler(GatedPolicy):
         return lengths.to(caps.device)
 
 
-NEEDS_CONFIDENCE_HEAD = "needs a drafter trained with a confidence head (confidence_head=true)"
+def check_fits(policy: VerifyPolicy | type[VerifyPolicy], drafter) -> None:
+    """Refuse a policy that reads confidences with a drafter (a Drafter, 'oracle' or None) that has no
+    confidence head."""
+    if policy.needs_confidence and getattr(drafter, "confidence", None) is None:
+        given = {None: "decoding without a drafter", "oracle": "the oracle"}.get(drafter, "this drafter")
+        raise DominoError(f"verify '{policy.name}' needs a drafter trained with a confidence head "
+                          f"(confidence_head=true); {given} has none")
+
+
 POLICY_CLASSES: dict[str, type[VerifyPolicy]] = {
     policy.name: policy for policy in (FullVerify, GatedFullVerify, ThresholdVerify, ConfidenceScheduler)}
 POLICIES = tuple(POLICY_CLASSES)

@@ -36,11 +36,11 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from domino.config import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
-from domino.drafter import Drafter, load_drafter
+from domino.drafter import load_drafter
 from domino.engine import PREFILL_CHUNK, DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import choice_seed
-from domino.scheduler import NEEDS_CONFIDENCE_HEAD, POLICIES, POLICY_CLASSES, ThresholdVerify, make_policy
+from domino.scheduler import POLICIES, POLICY_CLASSES, ThresholdVerify, check_fits, make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.api import (ERRORS, SSE_CONTENT, REFUSALS, ApiError, ServedLimits, api, checked,
                                    event_stream, publish_limits, refused)
@@ -310,9 +310,7 @@ def check_application(args: ServeArgs) -> None:
     with warnings.catch_warnings():  # Torch warns that copying weights onto the meta device does nothing
         warnings.simplefilter("ignore", UserWarning)
         drafter = load_drafter(args.drafter, target)
-    confident = isinstance(drafter, Drafter) and drafter.config.confidence_head
-    if POLICY_CLASSES[args.verify].needs_confidence and not confident:
-        raise DominoError(f"verify={args.verify} {NEEDS_CONFIDENCE_HEAD}; drafter={args.drafter} has none")
+    check_fits(POLICY_CLASSES[args.verify], drafter)
 
 
 def application(args: ServeArgs, **engine_options) -> Application:

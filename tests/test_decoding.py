@@ -161,7 +161,7 @@ def test_bad_prompts_are_refused(target):
 
 
 def test_drafter_for_another_target_is_refused(target):
-    with pytest.raises(DominoError, match="trained for a target with hidden size"):
+    with pytest.raises(DominoError, match="made for a target with hidden size"):
         SpeculativeDecoder(target, tiny_drafter(tiny_target(hidden_size=32)))
 
 

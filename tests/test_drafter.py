@@ -105,7 +105,7 @@ def test_screened_draft_stops_before_the_lm_head():
 def test_checkpoint_for_another_target_is_refused(tmp_path, other, fact):
     drafter = tiny_drafter(tiny_target())
     drafter.save_pretrained(tmp_path)
-    with pytest.raises(DominoError, match=f"trained for a target with {fact}.*train a drafter for this one"):
+    with pytest.raises(DominoError, match=f"made for a target with {fact}.*train a drafter for this one"):
         Drafter.from_pretrained(tmp_path, tiny_target(**other))
 
 

@@ -45,16 +45,16 @@ def test_the_builder_refuses_what_the_replicas_could_not_start_with(tmp_path, em
 
     with pytest.raises(DominoError, match="no drafter checkpoint at"):
         build_app({"drafter": str(tmp_path / "gone")})
-    with pytest.raises(DominoError, match="verify=confidence needs a drafter trained with a confidence head"):
+    with pytest.raises(DominoError, match="verify 'confidence' needs a drafter trained with a confidence head.*without a drafter has none"):
         build_app({"drafter": "none", "verify": "confidence"})
     with pytest.raises(DominoError, match=f"target '{tmp_path / 'no-model'}' not found"):
         build_app({"target": str(tmp_path / "no-model")})
     tiny_drafter(tiny_target()).save_pretrained(tmp_path / "other")
-    with pytest.raises(DominoError, match="trained for a target with hidden size 64 .* but 'smollm2-135m' has 576"):
+    with pytest.raises(DominoError, match="made for a target with hidden size 64 .* but 'smollm2-135m' has 576"):
         build_app({"drafter": str(tmp_path / "other")})
     for confident in (False, True):
         tiny_drafter(embedded_target, confidence_head=confident).save_pretrained(tmp_path / str(confident))
-    with pytest.raises(DominoError, match="verify=threshold needs"):
+    with pytest.raises(DominoError, match="verify 'threshold' needs.*this drafter has none"):
         build_app({"drafter": str(tmp_path / "False"), "verify": "threshold"})
     build_app({"drafter": str(tmp_path / "True"), "verify": "confidence"})
     build_app({"drafter": str(tmp_path / "False"), "verify": "gated"})
