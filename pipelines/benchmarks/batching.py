@@ -26,7 +26,7 @@ from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig
 from domino.scheduler import ConfidenceScheduler, FullVerify, GatedFullVerify, profile_sps
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks import HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter
 from pipelines.benchmarks.engine import PROMPTS
 
 
@@ -65,10 +65,11 @@ def lockstep(engines: dict[str, DecodingEngine], prompts: list[list[int]], max_n
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench batching", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     parser.add_argument("--drafter", required=True, help="a drafter checkpoint with a confidence head")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32],
+                        help="requests decoded together, one run of each method per value")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens each request generates")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs after the cold one")
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.max_new_tokens < 1 or args.repeats < 1:

@@ -38,7 +38,7 @@ from domino.formats import checkpoint_format, export
 from domino.requests import GenerationConfig
 from domino.scheduler import FullVerify, GatedFullVerify, profile_sps
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks import HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter
 from pipelines.benchmarks.engine import PROMPTS
 
 
@@ -80,12 +80,12 @@ def ours(engine: DecodingEngine, prompts: list[list[int]], max_new_tokens: int) 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench dflash-race", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     parser.add_argument("--drafter", help="a DFlash-format drafter folder for the target")
     parser.add_argument("--make-random", metavar="DIR", help="write a random DFlash drafter for the target and stop")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens each request generates")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="batch-1 prompts (at most 6)")
-    parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32], help="concurrent requests of the batched runs")
     parser.add_argument("--policies", nargs="+", choices=["full", "gated"], default=["full", "gated"],
                         help="verify policies of our engine for the concurrent runs")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 on a shared machine")

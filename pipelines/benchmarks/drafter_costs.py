@@ -23,7 +23,7 @@ from domino.drafter import ContextCache, Drafter
 from domino.packed_linear import pack_linear_layers, unpack_linear_layers
 from domino.sampling import GREEDY, RowSampling
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks import HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter
 from pipelines.training.config import PipelineConfig
 
 
@@ -39,15 +39,15 @@ def median_seconds(fn, repeats: int) -> float:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench drafter-costs", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     default = PipelineConfig()
     parser.add_argument("--layers", type=int, default=default.draft_layers, help="draft layers")
-    parser.add_argument("--block-size", type=int, default=default.block_size)
+    parser.add_argument("--block-size", type=int, default=default.block_size, help="tokens per drafted block")
     parser.add_argument("--rank", type=int, nargs="+", default=[default.rank, 256], help="head ranks to count")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[0, default.draft_vocab_size],
                         help="draft vocabulary sizes to time (0: the target's whole vocabulary)")
     parser.add_argument("--context", type=int, default=256, help="tokens already in the caches")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls of each piece")
     args = parser.parse_args(argv)
     if min(args.layers, args.block_size, args.context, args.repeats, *args.rank) < 1 or min(args.draft_vocab) < 0:
         parser.error("--layers, --block-size, --rank, --context and --repeats must be positive, --draft-vocab not negative")

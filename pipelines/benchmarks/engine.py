@@ -16,7 +16,7 @@ from domino.config import DEFAULT_BLOCK_SIZE
 from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks import HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter
 
 PROMPTS = [
     "Write a short poem about the ocean.",
@@ -30,9 +30,9 @@ PROMPTS = [
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench engine", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="the oracle's draft length")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens each request generates")
     parser.add_argument("--drafter", action="append", default=[], help="also time this drafter checkpoint")
     args = parser.parse_args(argv)
 

@@ -32,7 +32,7 @@ SHAPES = {"4b": (36, 2560, 9728, 32, 8), "1.7b": (28, 2048, 6144, 16, 8), "0.6b"
 def arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench gpu-check", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="4b", help="Qwen3 size to imitate")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100, help="training steps")
     parser.add_argument("--storage", default=None, help="storage_path (default: a temporary folder)")
     return parser.parse_known_args(argv)  # the rest are pipeline key=value overrides
 

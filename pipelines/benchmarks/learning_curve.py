@@ -37,7 +37,7 @@ from domino.objective import DraftingObjective, ObjectiveConfig, curriculum_lamb
 from domino.target import DEFAULT_TARGET, Target, resolve_target
 from domino.training import AdamWStep, MetricsWindow, TrainConfig
 from domino.vocabulary import count_tokens, most_frequent
-from pipelines.benchmarks import HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter
 from pipelines.training.data import TOO_LONG, embedded_sharegpt, embedded_sharegpt_tail, tokenize_batch
 from pipelines.training.features import Regenerate, TargetFeatures
 from pipelines.training.config import PipelineConfig
@@ -297,12 +297,13 @@ def plot(curves: list[Curve], path: Path, batch_size: int) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench learning-curve", description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--variants", nargs="+", default=["base"], choices=sorted(VARIANTS))
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    parser.add_argument("--variants", nargs="+", default=["base"], choices=sorted(VARIANTS),
+                        help="variants to train, each from the same seed and data")
+    parser.add_argument("--steps", type=int, default=300, help="training steps of each variant")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per step")
     parser.add_argument("--conversations", type=int, default=1200, help="ShareGPT conversations to draw from (in order, repeated when steps need more)")
-    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--max-length", type=int, default=256, help="tokens per training sequence (the conversation's window)")
     parser.add_argument("--held-out", type=int, default=16, help="held-out prompts the target answers")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per target-written answer")
     parser.add_argument("--evaluations", type=int, default=5, help="held-out measurements per variant")

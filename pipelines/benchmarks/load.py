@@ -113,11 +113,11 @@ def percentile(values: list[float], q: float) -> float:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench load", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--url", action="append", required=True, help="label=URL of a server, its root or its OpenAI base URL (.../v1) (repeatable)")
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=32, help="concurrent clients per server")
     parser.add_argument("--requests", type=int, default=64, help="requests per server and round")
     parser.add_argument("--max-seconds", type=float, default=600, help="per server and round")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request")
+    parser.add_argument("--temperature", type=float, default=0.0, help="temperature of each request (0: greedy)")
     parser.add_argument("--rounds", type=int, default=1, help="measure every server this many times, in turns")
     args = parser.parse_args(argv)
     if min(args.clients, args.requests, args.max_tokens, args.rounds) < 1 or args.max_seconds <= 0:

