@@ -65,7 +65,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_probs, order = torch.sort(logp.exp(), dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        cut = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
+        beyond = before >= params.top_p
+        beyond[..., 0] = False  # also where top_p rounds to 0 in float32 (below about 1e-45)
+        cut = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, beyond)
         logp = torch.log_softmax(logp.masked_fill(cut, float("-inf")), dim=-1)
     return logp.exp()
 

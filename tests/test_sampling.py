@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 
 from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig
-from domino.sampling import RowSampling, SamplingParams, choice_seed, point_masses, row_keys, uniforms
+from domino.sampling import RowSampling, SamplingParams, choice_seed, point_masses, probabilities, row_keys, uniforms
 from domino.scheduler import ConfidenceScheduler, SPSProfile, ThresholdVerify
 from helpers import tiny_drafter, tiny_target
 
@@ -46,6 +46,14 @@ def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
             break
     norm = sum(weights[i] for i in kept)
     return [weights[i] / norm if i in kept else 0.0 for i in range(len(weights))]
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 1e-6, 0.3, 0.95, 1.0])
+def test_top_p_keeps_the_reference_set_down_to_the_smallest_float(top_p):
+    logits = [2.0, 1.5, 0.2, -1.0, 3.1, 0.0]
+    params = SamplingParams(temperature=0.7, top_p=top_p)
+    got = probabilities(torch.tensor([logits]), params)[0].tolist()
+    assert got == pytest.approx(reference_probs(logits, params), abs=1e-6)
 
 
 def exact_law(target, params) -> dict:
