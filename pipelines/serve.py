@@ -163,6 +163,9 @@ class EngineReplica:
     def prompt_ids(self, request: GenerationRequest, chat: bool) -> list[int]:
         if chat:
             messages = [message.as_template_input() for message in request.messages]
+            if len(messages) > self.target.max_length:  # each renders at least one token, however short
+                raise ApiError(400, f"the request has {len(messages)} messages, more than the target's context of "
+                                    f"{self.target.max_length} tokens could hold", param="messages")
             self.check_characters(sum(len(m["content"]) for m in messages), "messages")
             return self.target.encode_prompt(messages)
         if isinstance(request.prompt, str):

@@ -252,6 +252,10 @@ HELLO = [{"role": "user", "content": "Hello"}]
     (COMPLETIONS, dict(max_tokens=5), 400, "prompt", "Field required"),
     (COMPLETIONS, dict(prompt="x" * (32 * CONTEXT + 1)), 400, "prompt", "more than the target's context of 2048"),
     (CHAT, dict(messages=[{"role": "user", "content": "x" * (32 * CONTEXT + 1)}]), 400, "messages", "characters"),
+    # refused before the chat template renders them, or the replica's other streams stall
+    (CHAT, dict(messages=[{"role": "user", "content": ""}] * (CONTEXT + 1)), 400, "messages", "2049 messages"),
+    # no recursion over a deeply nested value, whatever field holds it
+    (COMPLETIONS, b'{"prompt": "Hi", "foo": ' + b"[" * 600 + b"]" * 600 + b"}", 400, "foo", "not supported"),
     # streams are refused before their status line, with the same error body
     (COMPLETIONS, dict(prompt="word " * CONTEXT, stream=True), 400, "prompt", "but this model's context holds 2048"),
     (CHAT, dict(messages=HELLO, max_tokens=CONTEXT, stream=True), 400, "max_tokens", "lower it to"),
@@ -311,6 +315,8 @@ def test_null_options_mean_their_defaults(server):
     assert with_nulls.json()["choices"] == without.json()["choices"]
     chat = post(server, CHAT, messages=HELLO, max_tokens=2, logprobs=None, top_logprobs=None, stream_options=None)
     assert chat.status_code == 200, chat.text
+    nested = post(server, CHAT, messages=HELLO, max_tokens=2, stream=True, stream_options={"include_usage": None})
+    assert nested.status_code == 200, nested.text
 
 
 def test_integral_decimals_are_integers(server):

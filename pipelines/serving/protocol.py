@@ -61,20 +61,29 @@ Text = Annotated[str, AfterValidator(utf8_encodable)]
 
 
 def integral_decimals_as_ints(value: Any) -> Any:
-    """JSON Schema counts 5.0 as an integer (a list of them too, as token ids); strict types would not."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [integral_decimals_as_ints(item) for item in value]
-    return value
+    """JSON Schema counts 5.0 as an integer, in a list of token ids too; strict types would not. Only one
+    list level is read (no field nests deeper), so a deeply nested value costs no recursion."""
+    def whole(item: Any) -> Any:
+        return int(item) if isinstance(item, float) and item.is_integer() else item
+    return [whole(item) for item in value] if isinstance(value, list) else whole(value)
 
 
-# every request model: unknown fields refused, no coercion between JSON types
-REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+class RequestPart(BaseModel):
+    """A request or a part of one: unknown fields refused, no coercion between JSON types, and null for an
+    option meaning its default (OpenAI's clients send null for options left unset)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
 
 
-class StreamOptions(BaseModel):
-    model_config = REQUEST_CONFIG
+class StreamOptions(RequestPart):
 
     include_usage: bool = Field(False, description="end the stream with a chunk holding usage (and no choices)")
 
@@ -85,13 +94,13 @@ def given_only_with(field: str, flag: str) -> dict[str, Any]:
             "then": {"required": [flag], "properties": {flag: {"const": True}}}}
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(RequestPart):
     """The fields both endpoints share: which model, how long, how to sample, when to stop."""
 
     # fields that mean something only with a flag on: refused without it (and the schema says so)
     NEEDS_FLAG: ClassVar[dict[str, str]] = {"stream_options": "stream"}
     # allow_inf_nan: Python's JSON reader takes NaN and Infinity, which no sampling parameter means
-    model_config = ConfigDict(**REQUEST_CONFIG, allow_inf_nan=False, json_schema_extra=lambda schema, cls: schema.update(
+    model_config = ConfigDict(allow_inf_nan=False, json_schema_extra=lambda schema, cls: schema.update(
         allOf=[given_only_with(field, flag) for field, flag in cls.NEEDS_FLAG.items()]))
 
     model: str | None = Field(None, description="must name the served model when given")
@@ -103,7 +112,9 @@ class GenerationRequest(BaseModel):
     stop: Text | Annotated[list[Text], Field(max_length=16)] | None = Field(
         None, description="stop strings; the text ends before them")
     seed: int | None = Field(None, ge=-MAX_SEED, le=MAX_SEED,
-                             description="the same seed gives the same tokens, whatever else the server runs")
+                             description="with verify full or threshold, the same seed gives the same tokens whatever "
+                                         "else the server runs; gated and confidence weigh the whole batch, so "
+                                         "there a seed's tokens may differ (their distribution stays the model's)")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices, decoded side by side")
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="needs stream: true")
@@ -122,13 +133,8 @@ class GenerationRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _as_json_schema_reads_it(cls, data: Any) -> Any:
-        """OpenAI's clients may send null for an option left unset: it means the default. And 5.0 is
-        an integer."""
-        if isinstance(data, dict):
-            fields = cls.model_fields
-            data = {k: integral_decimals_as_ints(v) for k, v in data.items()
-                    if v is not None or k not in fields or fields[k].default is None}
-        return data
+        """5.0 is an integer."""
+        return {k: integral_decimals_as_ints(v) for k, v in data.items()} if isinstance(data, dict) else data
 
     def generation_config(self, prompt_tokens: int, context: int) -> GenerationConfig:
         """The engine's config. Without max_tokens, the request may fill the rest of the context."""
@@ -175,16 +181,12 @@ class CompletionRequest(GenerationRequest):
         return prompt
 
 
-class TextPart(BaseModel):
-    model_config = REQUEST_CONFIG
-
+class TextPart(RequestPart):
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = REQUEST_CONFIG
-
+class ChatMessage(RequestPart):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
 
