@@ -13,7 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Message, Receive, Scope, Send
 
 from domino.engine import Event
 from domino.errors import DominoError
@@ -68,7 +71,26 @@ def error_response(status: int, detail: ErrorDetail) -> JSONResponse:
     return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status)
 
 
+class CancelledReceiveIsDisconnect:
+    """ASGI middleware. Serve's proxy relays a request's messages through a call it cancels once the
+    client has gone or the reply is sent; Starlette waits on that call for the disconnect, so without this
+    the cancellation reached the error handler (an ERROR line and a traceback) instead of ending the
+    request as a disconnect."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def receive_or_disconnect() -> Message:
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+        await self.app(scope, receive_or_disconnect, send)
+
+
 api = FastAPI(title="Domino speculative decoding", description="OpenAI-compatible completions and chat completions")
+api.add_middleware(CancelledReceiveIsDisconnect)
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request: the message and `param` name what to fix"},
     404: {"model": ErrorResponse, "description": "the model is not served here"},
@@ -176,6 +198,13 @@ async def on_http_error(request: Request, error: HTTPException) -> JSONResponse:
 @api.exception_handler(GenerationFailed)
 async def on_generation_failed(request: Request, error: Exception) -> JSONResponse:
     return error_response(500, server_error(error))
+
+
+@api.exception_handler(ClientDisconnect)
+async def on_client_gone(request: Request, error: Exception) -> JSONResponse:
+    """The client left before its request was read: nobody gets the reply, and nothing failed."""
+    logger.info("the client disconnected before its request was read")
+    return error_response(499, ErrorDetail(message="the client disconnected", type="invalid_request_error"))
 
 
 @api.exception_handler(Exception)
