@@ -14,8 +14,8 @@ from domino.errors import DominoError
 from domino.embedded import cache_dir
 from pipelines.training import checkpoints
 from pipelines.training.config import PipelineConfig, parse_args
-from pipelines.training.data import (TOO_LONG, MalformedRow, embedded_sharegpt, list_files, survey, to_messages,
-                                     tokenize_batch, tokenized_conversations)
+from pipelines.training.data import (TOO_LONG, MalformedRow, embedded_sharegpt, list_files, repeated, survey,
+                                     to_messages, tokenize_batch, tokenized_conversations)
 from pipelines.training.features import from_numpy, to_numpy
 from pipelines.training.trainer import Feed, PadCollate, train_config
 from pipeline_helpers import conversation, write_jsonl
@@ -209,6 +209,16 @@ def test_replay_follows_each_streamed_batch_with_batches_from_memory(ray_cluster
         remembered = streamed[max(0, i - 1): i + 1]  # the memory holds the last two streamed batches
         assert set(seen[3 * i + 1: 3 * i + 3]) <= set(remembered)
     assert feed.tokens == sum(streamed[1:])  # the counters start at the first batch
+
+
+@pytest.mark.parametrize("steps, replay, workers, rows", [(7, 2, 1, 8), (12, 3, 2, 16), (2, 1, 1, 4)])
+def test_the_stream_holds_the_runs_batches_and_ends_with_them(ray_cluster, steps, replay, workers, rows):
+    """The rows of every epoch the run needs, and no row more: a stream that went on past the last batch
+    left feature tasks running when the run ended, and Ray logged their actor's kill as a failed task."""
+    cfg = PipelineConfig(steps=steps, replay=replay, batch_size=2, num_workers=workers)
+    data = ray_cluster.data.from_items([{"i": i} for i in range(5)])
+    stream = [row["i"] for row in repeated(data, 5, cfg).take_all()]
+    assert len(stream) == rows and set(stream) <= set(range(5))
 
 
 def test_held_out_prompts_are_the_datas_first_however_its_blocks_finish(ray_cluster, tmp_path, tokenizer_path):

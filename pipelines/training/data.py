@@ -355,6 +355,8 @@ def response_token_counts(rows: ray.data.Dataset, vocab_size: int) -> np.ndarray
 def repeated(rows: ray.data.Dataset, count: int, cfg: PipelineConfig) -> ray.data.Dataset:
     """The training rows once for every epoch the run needs (one step in `replay` streams a batch), as
     one stream: the feature actors then start once for the whole run instead of once per epoch (each
-    start loads the target, and the trainers would wait for it)."""
-    epochs = math.ceil(math.ceil(cfg.steps / cfg.replay) * cfg.batch_size * cfg.num_workers / max(count, 1))
-    return rows.union(*[rows] * (epochs - 1)) if epochs > 1 else rows
+    start loads the target, and the trainers would wait for it). The stream ends with the run's last
+    batch, so no feature task is still running when the run ends and Ray Data stops the actors."""
+    needed = math.ceil(cfg.steps / cfg.replay) * cfg.batch_size * cfg.num_workers
+    epochs = math.ceil(needed / max(count, 1))
+    return (rows.union(*[rows] * (epochs - 1)) if epochs > 1 else rows).limit(needed)
