@@ -6,6 +6,7 @@ import logging
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -256,6 +257,20 @@ def test_a_json_file_may_hold_one_array_of_conversations(ray_cluster, tmp_path, 
     (folder / "a.json").write_text(json.dumps([conversation(0, "sharegpt")] * 3)[:-40])
     with pytest.raises(DominoError, match=r"cannot read .*: .*a.json starts as a JSON array but is not one"):
         survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
+
+
+def test_parquet_files_of_either_format_mix_with_json(ray_cluster, tmp_path, tokenizer_path):
+    """Parquet rows become rows as JSON's do: two Parquet files with different columns (ShareGPT's and
+    OpenAI's), one with a null column, beside JSON Lines, all train; none is called malformed."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist([conversation(i, "sharegpt") for i in range(5)]), folder / "a.parquet")
+    openai = [conversation(i, "openai") for i in range(5, 10)]
+    pq.write_table(pa.Table.from_pylist([{**row, "conversations": None} for row in openai]), folder / "b.parquet")
+    write_jsonl(folder / "c.jsonl", [conversation(i, "openai") for i in range(10, 14)])
+    cfg = PipelineConfig(data=str(folder), max_conversations=0, eval_prompts=2, max_length=64)
+    found = survey(tokenized_conversations(cfg, tokenizer_path), cfg, vocab_size=49152)
+    assert (found.rows, found.held_rows, found.trainable, dict(found.malformed)) == (14, 2, 12, {})
 
 
 def test_gpu_check_parses_its_arguments_into_a_valid_config(tmp_path):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 from ray.data.expressions import col
 
@@ -143,22 +144,31 @@ def json_records(file: dict) -> list[dict[str, str]]:
     return [{"json_line": json.dumps(row)} for row in (whole if isinstance(whole, list) else [whole])]
 
 
+def parquet_records(file: dict) -> list[dict[str, str]]:
+    """One Parquet file's rows as JSON text, as JSON files give them: every source then streams as one
+    `json_line` column, so files whose columns differ (ShareGPT's beside OpenAI's) mix without nulls."""
+    try:
+        rows = pq.read_table(pa.BufferReader(file["bytes"])).to_pylist()
+    except pa.ArrowException as error:
+        raise DominoError(f"{file['path']} is not a Parquet file Arrow can read ({error})") from None
+    return [{"json_line": json.dumps(row, default=str)} for row in rows]  # default: timestamps and such
+
+
+def file_records(file: dict) -> list[dict[str, str]]:
+    return (parquet_records if file["path"].endswith(PARQUET_SUFFIXES) else json_records)(file)
+
+
 def read_conversations(cfg: PipelineConfig) -> ray.data.Dataset:
-    """A dataset of raw rows: a `json_line` column for JSON sources, the file's own columns for Parquet."""
+    """A dataset of raw rows, one `json_line` each. Every file is read whole by one task of `data_cpus`
+    (Ray Data's own Parquet reader asks for a whole CPU, which a cluster busy training may never free)."""
     if cfg.data == EMBEDDED_DATA:
         ds = ray.data.from_items([{"json_line": line} for line in embedded_sharegpt(cfg.max_conversations)])
     else:
         files = list_files(cfg.data)
-        parquet = [f for f in files if f.endswith(PARQUET_SUFFIXES)]
-        if parquet and len(parquet) != len(files):
-            raise DominoError(f"{cfg.data} mixes JSON and Parquet files: point data at one kind")
-        try:  # Parquet footers are read here, the rest when the data streams
-            if parquet:
-                ds = ray.data.read_parquet(parquet, num_cpus=cfg.data_cpus)
-            else:
-                ds = ray.data.read_binary_files(files, include_paths=True, num_cpus=cfg.data_cpus).flat_map(
-                    json_records, num_cpus=cfg.data_cpus)
-        except (OSError, pa.ArrowException) as error:
+        try:
+            ds = ray.data.read_binary_files(files, include_paths=True, num_cpus=cfg.data_cpus).flat_map(
+                file_records, num_cpus=cfg.data_cpus)
+        except OSError as error:
             raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
     return ds.limit(cfg.max_conversations) if cfg.max_conversations else ds
 
@@ -174,9 +184,9 @@ def to_messages(row: dict) -> list[dict]:
             raise MalformedRow("not valid JSON") from None
     if not isinstance(row, dict):
         raise MalformedRow("not a JSON object")
-    if "conversations" in row:
+    if row.get("conversations") is not None:  # null: a column another Parquet file of the data has
         turns, role_key, content_key = row["conversations"], "from", "value"
-    elif "messages" in row:
+    elif row.get("messages") is not None:
         turns, role_key, content_key = row["messages"], "role", "content"
     else:
         raise MalformedRow("no 'conversations' or 'messages' field")
