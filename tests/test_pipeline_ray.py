@@ -24,7 +24,7 @@ from domino.drafter import Drafter
 from domino.errors import DominoError
 from domino.target import Target
 from domino.training import BUDGET_PROBE, BUDGET_WARMUP
-from pipelines.training.checkpoints import TEMP_PREFIX
+from pipelines.training.checkpoints import TEMP_PREFIX, latest
 from pipelines.training.config import build_config
 from pipelines.train import main, run
 from pipeline_helpers import conversation, save_tiny_chat_target, write_jsonl
@@ -211,6 +211,21 @@ def test_rerunning_never_loses_checkpoints(submitted, inputs, capfd):
     with pytest.raises(DominoError, match="does not exist"):
         run(config(inputs, storage, data=str(storage / "missing.jsonl")))
     assert {p: p.stat().st_mtime for p in files_under(run_dir)} == before
+
+
+def test_a_run_resumes_from_the_newest_checkpoint_ray_train_recorded(submitted, inputs, tmp_path):
+    """A job stopped while it wrote checkpoints can leave newer step folders, perhaps cut short, that Ray
+    Train never recorded as complete; the trainers resume from the newest it recorded, and the job must say
+    that one, not the newest folder (it said step 50 while the trainers resumed at 30)."""
+    run_dir = tmp_path / "tiny"
+    shutil.copytree(submitted["run_dir"], run_dir)
+    recorded = max(p for p in run_dir.glob("step_*"))
+    unrecorded = run_dir / "step_000999"  # as an interrupted upload leaves it
+    shutil.copytree(recorded, unrecorded)
+    state = json.loads((unrecorded / "state.json").read_text())
+    (unrecorded / "state.json").write_text(json.dumps({**state, "step": 999}))
+    last = latest(config(inputs, tmp_path, regenerate=True, **BUDGETED))
+    assert (last.step, last.uri) == (submitted["fitted"], str(recorded))
 
 
 def test_ctrl_c_while_training_ends_in_one_line(cluster, inputs, tmp_path):

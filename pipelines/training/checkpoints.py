@@ -7,8 +7,9 @@
         state.json           step, the run's length (`steps`, or what fitted its `minutes`), DeepSpeed's
                              own step count, world size and drafter config (checked before a run resumes)
 
-Ray Train merges the files every rank reports into one folder per step; rerunning with the same run
-name hands the newest one back through `ray.train.get_checkpoint()`.
+Ray Train merges the files every rank reports into one folder per step and records each once every rank's
+files are in; rerunning with the same run name hands the newest one it recorded back through
+`ray.train.get_checkpoint()`.
 """
 
 from __future__ import annotations
@@ -111,24 +112,31 @@ def check_writable(cfg: PipelineConfig) -> None:
 
 
 def latest(cfg: PipelineConfig) -> RunState | None:
-    """The newest checkpoint of run `run_name` in storage, or None for a new run."""
+    """The newest checkpoint of run `run_name` that Ray Train recorded, or None for a new run: the one the
+    trainers resume from (`ray.train.get_checkpoint()`). A job stopped while it wrote checkpoints may leave
+    newer step folders that Ray Train never recorded as complete; the resumed run writes those again."""
     run_uri = f"{cfg.storage_uri}/{cfg.run_name}"
+    where = f"the checkpoints of run '{cfg.run_name}' in {cfg.storage_uri}"
     try:
         filesystem, run_path = fs.FileSystem.from_uri(run_uri)
         infos = filesystem.get_file_info(fs.FileSelector(run_path, allow_not_found=True))
-        steps = sorted(i.base_name for i in infos if i.type == fs.FileType.Directory and i.base_name.startswith("step_"))
-        for name in reversed(steps):
-            state_path = f"{run_path}/{name}/{STATE_NAME}"
-            if filesystem.get_file_info(state_path).type == fs.FileType.File:
-                with filesystem.open_input_stream(state_path) as f:
-                    state = json.loads(f.read())
-                return RunState(uri=f"{run_uri}/{name}", step=state["step"], planned_steps=state.get("planned_steps"),
-                                world_size=state["world_size"],
-                                drafter=DrafterConfig(**state["drafter"]), config=state.get("config", {}))
+        if not any(i.type == fs.FileType.Directory and i.base_name.startswith("step_") for i in infos):
+            return None
+        try:
+            checkpoint = ray.train.Result.from_path(run_uri).checkpoint
+        except RuntimeError as error:  # step folders, but not Ray Train's record of them
+            raise DominoError(f"{where} are not a Ray Train run's ({str(error).splitlines()[0]}): choose a new "
+                              f"run_name") from None
+        if checkpoint is None:
+            return None
+        name = Path(checkpoint.path).name
+        with filesystem.open_input_stream(f"{run_path}/{name}/{STATE_NAME}") as f:
+            state = json.loads(f.read())
+        return RunState(uri=f"{run_uri}/{name}", step=state["step"], planned_steps=state.get("planned_steps"),
+                        world_size=state["world_size"], drafter=DrafterConfig(**state["drafter"]),
+                        config=state.get("config", {}))
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DominoError(f"cannot read the checkpoints of run '{cfg.run_name}' in {cfg.storage_uri}: "
-                          f"{str(error).splitlines()[0]}") from None
-    return None
+        raise DominoError(f"cannot read {where}: {str(error).splitlines()[0]}") from None
 
 
 def check_resumable(state: RunState, cfg: PipelineConfig, drafter: DrafterConfig) -> None:
