@@ -3,6 +3,7 @@ assistant-only loss masks, feature transport and the padding collate."""
 
 import json
 import logging
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -186,6 +187,11 @@ def test_features_travel_as_numpy_and_pad_into_batches(dtype):
     assert torch.allclose(out["features"][0, :3].float(), features[0], atol=tolerance, rtol=tolerance)
     assert (out["features"][0, 3:] == 0).all()
     assert from_numpy(to_numpy(features[1], dtype), dtype).dtype == getattr(torch, dtype)
+    shared = to_numpy(features[1], dtype)
+    shared.setflags(write=False)  # as arrays from Ray's object store arrive
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from_numpy(shared, dtype)
 
 
 def test_target_labels_pad_into_batches():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 
 import numpy as np
 import ray
@@ -32,7 +33,11 @@ def to_numpy(x: torch.Tensor, dtype: str) -> np.ndarray:
 
 
 def from_numpy(array: np.ndarray, dtype: str) -> torch.Tensor:
-    x = torch.from_numpy(np.ascontiguousarray(array))
+    """A tensor over the array's memory. Arrays from Ray's object store are read-only, which torch warns
+    of; the tensors made here are only read (the collate pads them into new ones)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        x = torch.from_numpy(np.ascontiguousarray(array))
     return x.view(torch.bfloat16) if dtype == "bfloat16" else x
 
 
