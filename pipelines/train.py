@@ -168,6 +168,9 @@ def run(cfg: PipelineConfig) -> RunOutcome:
             raise
         outcome.metrics = result.metrics
         state = checkpoints.latest(cfg)
+        if cfg.minutes is not None and state.planned_steps is not None and state.planned_steps < cfg.steps:
+            print(f"[train] the time budget of {cfg.minutes:g} minutes kept {state.planned_steps} of the "
+                  f"{cfg.steps} steps", flush=True)
     outcome.checkpoint = state
     print(f"[train] drafter {'exported to' if outcome.metrics is not None else 'of that step:'} {state.drafter_uri}", flush=True)
 

@@ -167,6 +167,7 @@ def test_job_trains_two_zero2_workers_through_a_killed_worker(submitted, inputs)
     # the resumed run timed 20 steps from its 17th (12 + 5 of warm-up) before it fitted the budget
     assert 12 + BUDGET_WARMUP + BUDGET_PROBE < fitted < BUDGETED["steps"]
     assert "[train] step 2/200 " in logs and f"[train] step {fitted}/{fitted} " in logs and "data wait [" in logs
+    assert f"[train] the time budget of 0.1 minutes kept {fitted} of the 200 steps" in logs
     # the closing evaluation: tau of the untrained and the exported drafter on the held-out prompts
     assert "| untrained | 2 |" in logs and f"| trained (step {fitted}) | 2 |" in logs
 
