@@ -15,6 +15,7 @@ import torch
 
 from domino.drafter import ContextCache, Draft, Drafter
 from domino.sampling import GREEDY, RowSampling
+from domino.verify import leading_run
 
 
 @torch.no_grad()
@@ -41,12 +42,12 @@ def greedy_accepted(drafter: Drafter, features: torch.Tensor, ids: torch.Tensor,
                     chunk: int = 64) -> torch.Tensor:
     """Per anchor (A,), how many greedy drafts verification would accept if `ids` is the target's own
     greedy text: the leading drafts that equal the tokens after the anchor (none past the text's end)."""
-    block = drafter.config.block_size
+    drafts = drafter.config.num_drafts
     accepted = []
     for part in anchors.split(chunk):
         tokens = drafts_from_scratch(drafter, features, ids, part).tokens
-        wanted = part[:, None] + 1 + torch.arange(block, device=ids.device)
+        wanted = part[:, None] + 1 + torch.arange(drafts, device=ids.device)
         inside = wanted < ids.shape[0]
         match = (tokens == ids[wanted.clamp(max=ids.shape[0] - 1)]) & inside
-        accepted.append(match.long().cumprod(dim=1).sum(dim=1))
+        accepted.append(leading_run(match))
     return torch.cat(accepted)

@@ -379,6 +379,12 @@ class Drafter(nn.Module):
             return None
         return TokenHistory(self.config.lookup_ngram, tokens, self.config.lookup_min_ngram)
 
+    def copies_every_row(self, histories: list[TokenHistory | None] | None) -> bool:
+        """Whether every row copies from its first draft position on (domino.lookup): such a round runs no
+        backbone, so the engine drafts it whatever the speculation gate says of the drafter."""
+        return (bool(self.config.lookup_ngram) and histories is not None
+                and all(h is not None and h.source([]) is not None for h in histories))
+
     def extend_context(self, cache: ContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache."""
         cache.append(self.context_kv(features, positions))
@@ -386,18 +392,19 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def draft(self, cache: ContextCache, anchors: torch.Tensor, sampling: RowSampling,
               positions: torch.Tensor | None = None,
-              screen: Callable[[torch.Tensor], bool] | None = None, needed: int | None = None,
+              screen: Callable[[torch.Tensor], bool] | None = None, needed: torch.Tensor | None = None,
               valid: torch.Tensor | None = None, histories: list[TokenHistory] | None = None) -> Draft | None:
         """One drafting round: propose the `config.num_drafts` tokens after each anchor (n,), sitting at
         `positions` (n,) (default: right after the cached context). Each proposal is chosen by the row's
         sampling rule from a distribution conditioned on the proposals before it, and that distribution
         is returned.
 
-        `needed`: the most tokens any row still needs (its drafts plus the target's own token). A
-        DFlash-convention drafter then runs a block of at most `needed` + 1 slots, as DFlash's reference
-        loop does near the end of a request: the block attends to itself without a causal mask, so its
-        drafts depend on its length, and this keeps our decoding of a DFlash checkpoint the reference's,
-        token for token and round for round.
+        `needed` (n,): the tokens each row still needs (its drafts plus the target's own token). A
+        DFlash-convention drafter then gives row r a block of at most `needed[r]` + 1 slots, as DFlash's
+        reference loop does near the end of a request: the block attends to itself without a causal mask,
+        so its drafts depend on its length, and this keeps our decoding of a DFlash checkpoint the
+        reference's, token for token and round for round. A row's shorter block is the longest row's with
+        the slots past its own end masked, so its drafts do not depend on the rows beside it.
 
         `valid` (n, slots): the context slots each row attends to (None: all of them).
 
@@ -412,17 +419,21 @@ class Drafter(nn.Module):
         is a point mass. When every row copies from the first position on, the backbone is not run."""
         cache.catch_up()
         n, block, silent = anchors.shape[0], self.config.block_size, self.config.silent_slots
-        if silent and needed is not None:
-            block = min(block, needed + silent)
+        shortened = bool(silent) and needed is not None
+        if shortened:
+            block = min(block, int(needed.max()) + silent)
+        if self.copies_every_row(histories):
+            return self._copied([CopyRun(h) for h in histories], block - silent, sampling)
         runs = [CopyRun(h) for h in histories] if self.config.lookup_ngram and histories is not None else None
-        if runs is not None and all(run.proposal() is not None for run in runs):
-            return self._copied(runs, block - silent, sampling)
         offsets = torch.arange(block, device=anchors.device)
         if positions is None:
             positions = torch.full((n,), cache.length, device=anchors.device)
         mask = None
-        if valid is not None:  # attend to the valid context slots and to the whole block
-            mask = torch.cat([valid, valid.new_ones(n, block)], dim=1)[:, None, None, :]
+        if valid is not None or shortened:  # attend to the valid context slots and to the row's own block
+            if valid is None:
+                valid = torch.ones(n, cache.length, dtype=torch.bool, device=anchors.device)
+            own_block = offsets[None] < (needed[:, None] + silent if shortened else block)  # (n or 1, block)
+            mask = torch.cat([valid, own_block.expand(n, block)], dim=1)[:, None, None, :]
         h = self.backbone(self.block_ids(anchors, block), positions[:, None] + offsets,
                           [cache.layer(i) for i in range(len(self.layers))], mask)[:, silent:]
         prev, prev_embed = anchors, self.embed(anchors)

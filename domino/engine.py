@@ -96,8 +96,8 @@ class DecodingEngine:
     """`drafter`: a Drafter, "oracle", or None (plain decoding). `block_size`: the oracle's drafts per
     round (default DEFAULT_BLOCK_SIZE); a Drafter has its own block (None, or its config's value). `policy` decides per
     round how many drafts each request verifies (scheduler.py; default: all of them). `max_rows`: the
-    most requests decoded together (their caches grow with every row); later ones wait in the queue,
-    first come first served (None: no limit). `prefill_chunk`: prompt tokens a waiting request prefills
+    most requests decoded or prefilling together (their caches grow with every row); later ones wait in
+    the queue, first come first served (None: no limit). `prefill_chunk`: prompt tokens a waiting request prefills
     per step."""
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int | None = None,
@@ -156,7 +156,9 @@ class DecodingEngine:
         events, joining = [], []
         self.last_step = StepTimes()
         for request_id in list(self.pending):  # first come, first prefilled
-            if self.max_rows is not None and len(self.ids) >= self.max_rows:
+            # a prefill holds a cache too: one is begun only while rows and prefills are fewer than max_rows
+            if (self.max_rows is not None and request_id not in self.prefills
+                    and len(self.ids) + len(self.prefills) >= self.max_rows):
                 break
             admitted = self._admit(request_id, self.pending[request_id])
             if admitted is not None:  # its prefill is over: it leaves the queue, whatever became of it
@@ -255,7 +257,7 @@ class DecodingEngine:
         if isinstance(self.drafter, Drafter):
             screen = (lambda first: self.policy.admits_any(caps, first)) if self.policy.needs_confidence else None
             return self.drafter.draft(self.caches.context, anchors, sampling, positions, screen,
-                                      needed=int(caps.max()) + 1, valid=self.caches.valid,
+                                      needed=caps + 1, valid=self.caches.valid,
                                       histories=[s.history for s in states])
         upcoming = [s.reference[len(s.tokens): len(s.tokens) + self.max_drafts] for s in states]
         tokens = torch.tensor([u + [PAD] * (self.max_drafts - len(u)) for u in upcoming], device=anchors.device)
@@ -263,12 +265,6 @@ class DecodingEngine:
         if not sampling.all_greedy:  # the oracle's proposals are certain: q is a point mass
             probs = point_masses(tokens, self.target.vocab_size)
         return Draft(tokens=tokens, probs=probs, confidence=None)
-
-    @staticmethod
-    def _copies_ready(states: list[RequestState]) -> bool:
-        """Whether every row can copy its next drafts from its own text (domino.lookup): the round then runs
-        no drafter forward, so it drafts whatever the policy's speculation gate says of the drafter."""
-        return all(s.history is not None and s.history.source([]) is not None for s in states)
 
     def _accept(self, drafts: torch.Tensor, draft: Draft | None, logits: torch.Tensor, lengths: torch.Tensor,
                 sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +297,8 @@ class DecodingEngine:
         draft = None
         lengths = torch.zeros_like(caps)
         could_draft = int(caps.max()) > 0 and self.policy.could_pay(caps)
-        copies_only = could_draft and self._copies_ready(states)
+        copies_only = (could_draft and isinstance(self.drafter, Drafter)
+                       and self.drafter.copies_every_row([s.history for s in states]))
         tried = copies_only or (could_draft and self.policy.wants_draft(len(states)))
         if tried:
             draft = self._propose(states, anchors, positions, sampling, caps)

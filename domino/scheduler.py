@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from domino.errors import DominoError
+from domino.verify import leading_run
 
 
 @dataclass
@@ -44,6 +45,9 @@ class SPSProfile:
 @torch.no_grad()
 def profile_sps(target, max_tokens: int = 512, context: int = 128, repeats: int = 3) -> SPSProfile:
     """Time one target forward of 1, 2, 4, ... max_tokens new tokens after `context` cached ones."""
+    if max_tokens < 2:  # one size would leave nothing to interpolate between
+        raise DominoError(f"the speed profile measures forwards of 1, 2, 4, ... tokens: its largest (max_tokens, "
+                          f"max_batch_tokens when serving) must be at least 2, got {max_tokens}")
     sizes = [1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens]
     ids = torch.randint(0, target.vocab_size, (1, context + max_tokens), device=target.device)
     cache = target.new_cache()
@@ -122,7 +126,7 @@ class ThresholdVerify(VerifyPolicy):
     def lengths(self, caps: torch.Tensor, confidence: torch.Tensor,
                 copied: torch.Tensor | None = None) -> torch.Tensor:
         survive = torch.cumprod(confidence, dim=1) >= self.threshold
-        return torch.minimum(survive.long().cumprod(dim=1).sum(dim=1), caps)
+        return torch.minimum(leading_run(survive), caps)
 
 
 @dataclass

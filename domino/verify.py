@@ -14,26 +14,28 @@ import torch
 from domino.sampling import draw
 
 
-def _limit_mask(draft_tokens: torch.Tensor, limits: torch.Tensor | None) -> torch.Tensor:
-    positions = torch.arange(draft_tokens.shape[1], device=draft_tokens.device)
-    if limits is None:
-        return torch.ones_like(draft_tokens, dtype=torch.bool)
-    return positions < limits[:, None]
+def leading_run(flags: torch.Tensor) -> torch.Tensor:
+    """Per row of flags (b, m), how many of its first entries are all True: the drafts that pass."""
+    return flags.long().cumprod(dim=1).sum(dim=1)
+
+
+def _limit_mask(draft_tokens: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    return torch.arange(draft_tokens.shape[1], device=draft_tokens.device) < limits[:, None]
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                  limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  limits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest prefix of drafts equal to the target's argmax, then commit the target's own
     argmax. draft_tokens (b, m), target_logits (b, m + 1, V) -> accepted (b,), next_token (b,)."""
     choice = target_logits.argmax(dim=-1)
     match = (draft_tokens == choice[:, :-1]) & _limit_mask(draft_tokens, limits)
-    accepted = match.long().cumprod(dim=1).sum(dim=1)
+    accepted = leading_run(match)
     return accepted, choice.gather(1, accepted[:, None])[:, 0]
 
 
 def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                        accept_u: torch.Tensor, target_u: torch.Tensor,
-                       limits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       limits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling: accept draft d_k when accept_u[k] q_k(d_k) < p_k(d_k) (probability
     min(1, p/q)); at the first rejection draw from norm(max(p_k - q_k, 0)); after all verified drafts
     pass, draw from p_m. The draw at offset k inverts its CDF at target_u[k]. draft_probs (b, m, V) are
@@ -41,12 +43,13 @@ def speculative_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, ta
     b, m = draft_tokens.shape
     p = target_probs[:, :m].gather(-1, draft_tokens[..., None])[..., 0]
     q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
-    passed = (accept_u.to(q) * q < p) & _limit_mask(draft_tokens, limits)
-    accepted = passed.long().cumprod(dim=1).sum(dim=1)
+    # in float64, as the uniforms come: rounding u to p's float32 would tilt the test by up to 2^-24
+    passed = (accept_u.double() * q.double() < p.double()) & _limit_mask(draft_tokens, limits)
+    accepted = leading_run(passed)
 
     rows = torch.arange(b, device=draft_tokens.device)
     p_next = target_probs[rows, accepted]
-    rejected = accepted < (limits if limits is not None else torch.full_like(accepted, m))
+    rejected = accepted < limits
     if m:
         q_next = draft_probs[rows, accepted.clamp(max=m - 1)]
         residual = torch.clamp(p_next - q_next, min=0)

@@ -71,7 +71,7 @@ class ServeArgs(BaseModel):
                             "rounds where drafting beats plain decoding (gated); up to a confidence threshold; "
                             "or DSpark's confidence scheduling (the last two need a confidence head)")
     threshold: float = Field(ThresholdVerify.threshold, gt=0, lt=1, description="for verify=threshold")
-    max_batch_tokens: int = Field(1024, ge=1, description="largest verify forward the start-up SPS profile "
+    max_batch_tokens: int = Field(1024, ge=2, description="largest verify forward the start-up SPS profile "
                                                           "measures (verify=gated or confidence)")
     max_rows: int = Field(64, ge=1, description="the most choices a replica decodes together (each holds a cache "
                                                 "row); more wait their turn in its queue")

@@ -29,11 +29,13 @@ def next_token_table(target) -> torch.Tensor:
         return target.model(torch.arange(VOCAB)[:, None]).logits[:, 0].argmax(-1)
 
 
-def mostly_right_drafter(target, wrong_fraction: float = 0.3, lookup_ngram: int = 0, lookup_min_ngram: int = 2):
+def mostly_right_drafter(target, wrong_fraction: float = 0.3, lookup_ngram: int = 0, lookup_min_ngram: int = 2,
+                         label_convention: str = "shifted"):
     """A Markov head that knows the target's next-token table except for a share of the tokens, so rounds
     accept every number of drafts; the backbone's own logits and its confidences still read the context."""
     drafter = tiny_drafter(target, head="markov", rank=VOCAB, block_size=6, confidence_head=True, seed=4,
-                           lookup_ngram=lookup_ngram, lookup_min_ngram=lookup_min_ngram).double()
+                           lookup_ngram=lookup_ngram, lookup_min_ngram=lookup_min_ngram,
+                           label_convention=label_convention).double()
     table = next_token_table(target)
     wrong = torch.rand(VOCAB, generator=torch.Generator().manual_seed(0)) < wrong_fraction
     table = torch.where(wrong, (table + 1) % VOCAB, table)
@@ -153,9 +155,11 @@ def test_a_batch_that_has_not_drafted_never_projects_its_drafter_cache():
             assert torch.allclose(confidence, reference.confidence[i], rtol=0, atol=1e-9), (request_id, position)
 
 
-def test_greedy_accepted_counts_leading_matches():
+@pytest.mark.parametrize("label_convention", ["shifted", "dflash"])
+def test_greedy_accepted_counts_leading_matches(label_convention):
+    """Up to a block's drafts: 6 in the shifted convention, 5 in DFlash's (its first slot is the anchor's)."""
     target = bigram_target()
-    drafter = mostly_right_drafter(target, wrong_fraction=0.0)
+    drafter = mostly_right_drafter(target, wrong_fraction=0.0, label_convention=label_convention)
     table = next_token_table(target)
     sequence = [5]
     for _ in range(20):
@@ -164,7 +168,7 @@ def test_greedy_accepted_counts_leading_matches():
     features = target.forward(sequence[None], layer_ids=drafter.config.target_layer_ids).features
     accepted = greedy_accepted(drafter, features, sequence, torch.arange(0, 20))
     # every draft matches the target's chain; only the text's end cuts the count
-    assert accepted.tolist() == [min(6, 20 - a) for a in range(20)]
+    assert accepted.tolist() == [min(drafter.config.num_drafts, 20 - a) for a in range(20)]
 
 
 @pytest.mark.parametrize("lookup_ngram", [0, 2])

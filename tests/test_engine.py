@@ -15,7 +15,7 @@ from domino.engine import PREFILL_CHUNK, DecodingEngine, StepTimes
 from domino.errors import DominoError
 from domino.requests import GenerationConfig
 from domino.sampling import SamplingParams
-from domino.scheduler import ConfidenceScheduler, GatedFullVerify, SPSProfile, ThresholdVerify
+from domino.scheduler import ConfidenceScheduler, GatedFullVerify, SPSProfile, ThresholdVerify, profile_sps
 from helpers import tiny_drafter, tiny_target
 from test_decoding import NoisyOracle, hf_greedy, random_prompts
 
@@ -113,6 +113,19 @@ def test_a_long_prompt_prefills_in_chunks_while_the_batch_goes_on(target):
     assert started == {"short": 0, "long": 7}
 
 
+def test_prefills_in_flight_count_against_max_rows(target):
+    """A request that is prefilling holds a cache already: with max_rows=1, long prompts prefill one at
+    a time, each after the row before it finished."""
+    engine = DecodingEngine(target, None, max_rows=1, prefill_chunk=8)
+    for i in range(4):
+        engine.add(f"r{i}", list(range(i, i + 40)), GenerationConfig(max_new_tokens=3, stop_token_ids=[]))
+    held = 0
+    while engine.has_work:
+        engine.step()
+        held = max(held, len(engine.ids) + len(engine.prefills))
+    assert held == 1
+
+
 def test_requests_beyond_max_rows_wait_their_turn(target):
     """With max_rows=2, five requests are decoded at most two at a time, started in the order they came,
     and each still gives the target's greedy tokens."""
@@ -171,6 +184,11 @@ def test_compaction_keeps_outputs_exact(target):
 
 
 # -- verify-length policies ----------------------------------------------------------------------
+
+def test_a_speed_profile_needs_two_sizes(target):
+    with pytest.raises(DominoError, match="must be at least 2, got 1"):
+        profile_sps(target, max_tokens=1)
+
 
 LINEAR = SPSProfile(tokens=[1, 1000], seconds=[0.010, 0.010 + 999 * 0.001])  # 10 ms + 1 ms per token
 # 1 ms a token, but a step to 2 tokens costs 1.5 ms: drafts can pay only for a lone request

@@ -18,6 +18,7 @@ from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig
 from domino.sampling import RowSampling, SamplingParams, choice_seed, point_masses, probabilities, row_keys, uniforms
 from domino.scheduler import ConfidenceScheduler, SPSProfile, ThresholdVerify
+from domino.verify import speculative_accept
 from helpers import tiny_drafter, tiny_target
 
 VOCAB, NEW, RUNS, BATCH = 6, 5, 800, 80
@@ -194,6 +195,25 @@ def test_a_seeded_request_alone_equals_it_in_any_batch(target, name):
     assert alone == crowded
 
 
+def test_a_dflash_drafters_seeded_request_alone_equals_it_beside_longer_ones(target):
+    """A DFlash-convention block shrinks near a request's end, as DFlash's reference loop does, and its
+    drafts depend on its length (no causal mask): each row's block must be its own, not the longest row's."""
+    def make():
+        return DecodingEngine(target, tiny_drafter(target, head="none", label_convention="dflash", block_size=6,
+                                                   seed=5).double())
+    params = SamplingParams(temperature=1.0)
+    alone, _, _ = generate_all(make, params, range(40), batch=1, others=False)
+    beside = {}
+    for seed in range(40):
+        engine = make()
+        state = engine.add("short", PROMPT, GenerationConfig(NEW, sampling=params, stop_token_ids=[], seed=seed))
+        engine.add("long", PROMPT[1:], GenerationConfig(4 * NEW, sampling=params, stop_token_ids=[], seed=seed + 99))
+        while engine.has_work:
+            engine.step()
+        beside[seed] = state.tokens
+    assert alone == beside
+
+
 def test_max_tokens_one_finishes_at_prefill_and_leaves_nothing_behind(target):
     engine = engines(target)["full"]()
     states = [engine.add(f"r{i}", PROMPT, GenerationConfig(1, sampling=SamplingParams(temperature=1.0 * (i % 2)),
@@ -204,6 +224,18 @@ def test_max_tokens_one_finishes_at_prefill_and_leaves_nothing_behind(target):
     assert not engine.has_work and not engine.states and engine.caches is None
     plain, _, _ = generate_all(engines(target)["plain"], SamplingParams(temperature=1.0), [1, 3, 5], others=False)
     assert [states[i].tokens[0] for i in (1, 3, 5)] == [plain[i][0] for i in (1, 3, 5)]
+
+
+def test_the_acceptance_test_reads_the_uniform_at_full_precision():
+    """Draft d passes when u q(d) < p(d): a uniform just below p (closer than float32 can tell) passes."""
+    p = 1 - 2 ** -24  # float32's largest number below 1
+    target_probs = torch.tensor([[[p, 1 - p], [0.5, 0.5]]])
+    draft_probs = torch.tensor([[[1.0, 0.0]]])
+    accept_u = torch.tensor([[p - 2 ** -40]], dtype=torch.float64)  # uniforms come in float64
+    target_u = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    accepted, _ = speculative_accept(torch.tensor([[0]]), draft_probs, target_probs, accept_u, target_u,
+                                     torch.tensor([1]))
+    assert accepted.tolist() == [1]
 
 
 def test_point_masses_are_one_hot_distributions_in_the_asked_dtype():
