@@ -261,7 +261,7 @@ class Drafter(nn.Module):
         head = self.target_modules[1]
         return head(h.to(head.weight.dtype)).float()
 
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (the target's whole one unless it is reduced)."""
         if self.draft_to_target is None:
             return self.target_logits(h)
@@ -290,7 +290,7 @@ class Drafter(nn.Module):
     def _pick_head_rows(self) -> None:
         weight = self.target_modules[1].weight
         self.head_rows = weight.detach()[self.draft_to_target.to(weight.device)].to(self.draft_to_target.device)
-        self.packed_head_rows = None  # these rows packed for oneDNN: by lm_head, when first needed
+        self.packed_head_rows = None  # these rows packed for oneDNN: by draft_logits, when first needed
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
@@ -444,7 +444,7 @@ class Drafter(nn.Module):
             # the screen judges first drafts alone; a row copying from the start is judged by its whole run
             if screen is not None and not copies.any() and not screen(confidence[0]):
                 return None
-        base = self.lm_head(h)
+        base = self.draft_logits(h)
         state = self.head.initial_state(n, h) if self.head is not None else None
         tokens, probs, copied = [], [], []
         for k in range(h.shape[1]):

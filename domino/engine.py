@@ -68,7 +68,7 @@ class StepTimes:
     and each request's own stats count them in full: summed over requests they would count a second once
     per row (the replica's metrics add these instead)."""
     prefill_s: float = 0.0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # drafting, and settling both caches after the verify
     verify_s: float = 0.0
 
 
@@ -336,8 +336,10 @@ class DecodingEngine:
             self.policy.observe(tried, len(states), int(accepted.sum()) + len(states), settled - start,
                                 block.numel(), verified - drafted)
 
-        self.last_step.draft_s += (drafted - start) + (settled - verified)
-        self.last_step.verify_s += verified - drafted
+        # drafting's share of the round includes keeping both caches after the verify
+        draft_s, verify_s = (drafted - start) + (settled - verified), verified - drafted
+        self.last_step.draft_s += draft_s
+        self.last_step.verify_s += verify_s
         events, done = [], []
         # one copy to the host for the whole batch, not one per row (each is a device sync on a GPU)
         draft_rows, accepted_rows, following_rows, length_rows = (
@@ -345,8 +347,8 @@ class DecodingEngine:
         for r, (request_id, state) in enumerate(zip(self.ids, states)):
             n = accepted_rows[r]
             committed = draft_rows[r][:n] + [following_rows[r]]
-            state.stats.draft_s += (drafted - start) + (settled - verified)
-            state.stats.verify_s += verified - drafted
+            state.stats.draft_s += draft_s
+            state.stats.verify_s += verify_s
             if broken[r]:
                 state.fail(NOT_FINITE)
                 tokens, text = [], ""

@@ -180,7 +180,7 @@ class DraftingObjective(nn.Module):
 
         # logits only where a label is trained: the vocab projection dominates memory
         weights = self.weights.expand_as(trained)[trained]
-        base = drafter.lm_head(h[trained])
+        base = drafter.draft_logits(h[trained])
         final = base
         if drafter.head is not None:
             codes = drafter.head.codes(h, prev_tokens, prev_embeds)[trained]

@@ -67,7 +67,7 @@ def our_draft(drafter: Drafter, target, ids: torch.Tensor, params: SamplingParam
     block = drafter.block_ids(ids[:, -1])
     block_positions = ids.shape[1] - 1 + torch.arange(drafter.config.block_size)[None].expand(ids.shape[0], -1)
     hidden = drafter.backbone(block, block_positions, [cache.layer(i) for i in range(len(drafter.layers))])
-    return draft, drafter.lm_head(hidden[:, drafter.config.silent_slots:])
+    return draft, drafter.draft_logits(hidden[:, drafter.config.silent_slots:])
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ def make_batch(target, drafter, ids, response_from=0):
 
 
 def teacher_forced_logits(drafter, h, prev):
-    logits = drafter.lm_head(h)
+    logits = drafter.draft_logits(h)
     if drafter.head is not None:
         logits = logits + drafter.head.out(drafter.head.codes(h, prev, drafter.embed(prev)))
     return logits

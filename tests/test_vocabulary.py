@@ -61,7 +61,7 @@ def test_the_mapping_saves_and_loads_and_drafts_stay_inside_it(tmp_path, head):
     target = tiny_target()
     drafter = reduced_drafter(target, head=head, confidence_head=True)
     pack_linear_layers(drafter)  # as loading packs it, so that the drafts compare bit for bit
-    assert drafter.lm_head(torch.randn(3, 64)).shape == (3, len(KEPT))
+    assert drafter.draft_logits(torch.randn(3, 64)).shape == (3, len(KEPT))
     if drafter.head is not None:
         assert drafter.head.out.weight.shape[0] == len(KEPT)
     ids = torch.randint(0, 96, (1, 20))
