@@ -75,8 +75,7 @@ class BatchCaches:
         if drop:
             self.target.crop(-drop)
             if self.context is not None:
-                features, positions = self.context.staged[-1]
-                self.context.staged[-1] = (features[:, :-drop], positions[:, :-drop])
+                self.context.drop_staged_tail(drop)
             kept = kept[:, :-drop]
         self.valid = torch.cat([self.valid, kept], dim=1)
 
@@ -109,7 +108,7 @@ class BatchCaches:
         tensors = zip(*(part._tensors() for part in parts))
         if staged_only:  # padded slots are holes: valid masks them wherever they are projected
             staged = zip(*(part.context.staged_block() for part in parts))
-            self.context.staged = [tuple(torch.cat([pad(t, 1) for t in same]) for same in staged)]
+            self.context.restage(*(torch.cat([pad(t, 1) for t in same]) for same in staged))
         self._replace([torch.cat([pad(t, 2) for t in same]) for same in tensors], valid)
 
     def compact(self, slack: float = 2.0) -> None:

@@ -158,11 +158,20 @@ class ContextCache:
         """The staged features (n, t, n_layers * D) and positions (n, t) as one block."""
         return tuple(torch.cat(parts, dim=1) for parts in zip(*self.staged))
 
+    def restage(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Replace the staged features with one block (rows joined or reordered by the caller)."""
+        self.staged = [(features, positions)]
+
+    def drop_staged_tail(self, count: int) -> None:
+        """Cut the last `count` slots of the latest staged features (slots no row kept)."""
+        features, positions = self.staged[-1]
+        self.staged[-1] = (features[:, :-count], positions[:, :-count])
+
     def gather_staged(self, order: torch.Tensor) -> None:
         """Keep, per row, the staged slots `order` (n, t) in that order (a cache that is all staged, being
         compacted: the caller moves the other caches' slots alike)."""
         features, positions = self.staged_block()
-        self.staged = [(features.gather(1, order[..., None].expand(-1, -1, features.shape[-1])), positions.gather(1, order))]
+        self.restage(features.gather(1, order[..., None].expand(-1, -1, features.shape[-1])), positions.gather(1, order))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` of the staged features (the caller indexes keys, values and valid)."""
