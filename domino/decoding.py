@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig, GenerationResult, GenerationStats, RequestState
+from domino.scheduler import VerifyPolicy
 from domino.target import Target
 
 __all__ = ["GenerationConfig", "GenerationResult", "GenerationStats", "Generation", "SpeculativeDecoder"]
@@ -25,7 +26,7 @@ class SpeculativeDecoder:
     """One engine, used by one request at a time (the arguments are DecodingEngine's, checked here)."""
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int | None = None,
-                 policy=None):
+                 policy: VerifyPolicy | None = None):
         self.engine = DecodingEngine(target, drafter, block_size, policy)
 
     def start(self, prompt_ids: list[int], config: GenerationConfig) -> "Generation":

@@ -30,7 +30,7 @@ from domino.errors import DominoError
 from domino.batch_caches import BatchCaches
 from domino.requests import GenerationConfig, GenerationResult, RequestState, TokenLogprob
 from domino.sampling import ACCEPT, TARGET, RowSampling, point_masses
-from domino.scheduler import FullVerify, check_fits
+from domino.scheduler import FullVerify, VerifyPolicy, check_fits
 from domino.target import Target
 from domino.verify import greedy_accept, speculative_accept
 
@@ -101,7 +101,7 @@ class DecodingEngine:
     per step."""
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int | None = None,
-                 policy=None, max_rows: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 policy: VerifyPolicy | None = None, max_rows: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
         target.check_batchable()
         if max_rows is not None and max_rows < 1:
             raise DominoError(f"max_rows must be at least 1, got {max_rows}")
