@@ -38,6 +38,7 @@ from domino.target import DEFAULT_TARGET, Target, resolve_target
 from domino.training import AdamWStep, MetricsWindow, TrainConfig
 from domino.vocabulary import count_tokens, most_frequent
 from pipelines.benchmarks import TARGET_HELP, HelpFormatter
+from pipelines.benchmarks.report import output_folder
 from pipelines.training.data import TOO_LONG, embedded_sharegpt, embedded_sharegpt_tail, tokenize_batch
 from pipelines.training.features import Regenerate, TargetFeatures
 from pipelines.training.config import PipelineConfig
@@ -311,6 +312,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoints", type=Path, nargs="+", default=None,
                         help="measure these saved drafters (DIR/step_*/drafter) on the held-out answers instead of training")
     args = parser.parse_args(argv)
+    if min(args.steps, args.batch_size, args.conversations, args.max_length, args.held_out, args.evaluations) < 1:
+        parser.error("--steps, --batch-size, --conversations, --max-length, --held-out and --evaluations must be positive")
+    if args.new_tokens < 2:  # an answer of one token leaves no position to draft from
+        parser.error(f"--new-tokens must be at least 2, got {args.new_tokens}")
+    if args.out:  # refused now, not after hours of training
+        output_folder(str(args.out.parent))
 
     torch.set_num_threads(1)
     target_path = resolve_target(args.target)
