@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--drafter", default="none",
                           help="drafter checkpoint folder; 'none' decodes without one (the baseline); "
                                "'oracle' proposes the target's own greedy output (the loop's ceiling)")
-    generate.add_argument("--prompt", required=True, help="the user message (chat models) or raw prompt")
+    generate.add_argument("--prompt", required=True, default=argparse.SUPPRESS,
+                          help="the user message (chat models) or raw prompt")
     generate.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     generate.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens holding this much probability")

@@ -117,11 +117,18 @@ def test_bad_input_is_named(tmp_path, embedded_target, capsys):
     assert "block_size must be between 2 and 64" in err and "|" not in out  # no table half printed
     assert bench.main(["batching", "--drafter", str(tmp_path / "gone")]) == 2
     assert "error: no drafter checkpoint at" in capsys.readouterr().err
+    assert bench.main(["batching", "--drafter", str(tmp_path / "plain")]) == 2  # (c) needs a confidence head
+    out, err = capsys.readouterr()
+    assert "verify 'confidence' needs a drafter trained with a confidence head" in err and "|" not in out
     assert bench.main(["engine", "--target", str(tmp_path / "gone")]) == 2
     assert "error: target" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit:  # not a table of nan
         bench.main(["load", "--url", "x=http://127.0.0.1:1", "--clients", "0"])
     assert exit.value.code == 2 and "--clients, --requests" in capsys.readouterr().err
+    for url, message in [("x=notaurl", "notaurl is not an http(s) URL"),
+                         ("x=http://127.0.0.1:1", "nothing answers at http://127.0.0.1:1 (ConnectionError)")]:
+        with pytest.raises(SystemExit, match=re.escape(message)):  # before any request, not a table of errors
+            bench.main(["load", "--url", url])
 
 
 def test_a_run_that_could_not_report_correctly_is_refused_before_it_decodes(tmp_path, embedded_target, capsys):

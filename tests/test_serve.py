@@ -332,6 +332,14 @@ def test_unknown_routes_get_an_error_body(server):
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
 
 
+def test_the_load_test_fails_when_its_time_ran_out_before_its_requests(server, capsys):
+    """Zero requests ok and zero errors is not a passed load test: the requests never sent are named."""
+    from pipelines import bench
+
+    assert bench.main(["load", "--url", f"x={server}", "--requests", "3", "--max-seconds", "1e-9"]) == 1
+    assert "error (x): 3 of the 3 requests were not sent before --max-seconds ran out" in capsys.readouterr().out
+
+
 # -- concurrency -----------------------------------------------------------------------------------
 
 

@@ -8,4 +8,10 @@ TARGET_HELP = "the target model: a model folder, a hub id, or the embedded defau
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Every benchmark's --help: its module docstring as written, and each option's default."""
+    """Every benchmark's --help: its module docstring as written, and each option's default (none for a
+    required option, or where the help text says what the default means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or (action.default is None and "(default" in (action.help or "")):
+            return action.help
+        return super()._get_help_string(action)

@@ -1,7 +1,8 @@
 """Batched decoding on the embedded target at several concurrencies: (a) plain autoregressive
 decoding, batched; (b) speculative decoding verifying every drafted token; (c) speculative decoding
 with confidence-scheduled verification (DSpark); (d) every draft verified in the rounds a speculation
-gate lets draft (the policy for drafters without a confidence head). All requests start together; greedy.
+gate lets draft (the policy for drafters without a confidence head; the drafter measured here needs
+one, for (c)). All requests start together; greedy.
 
 The four engines run in lockstep, one step of each in turn (the order balanced), and each method's
 clock counts only its own steps: this VM's speed drifts by 10 % and more between runs a minute apart,
@@ -24,7 +25,7 @@ import torch
 from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.requests import GenerationConfig
-from domino.scheduler import ConfidenceScheduler, FullVerify, GatedFullVerify, profile_sps
+from domino.scheduler import ConfidenceScheduler, FullVerify, GatedFullVerify, check_fits, profile_sps
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.benchmarks import TARGET_HELP, HelpFormatter
 from pipelines.benchmarks.engine import PROMPTS
@@ -77,6 +78,7 @@ def main(argv: list[str]) -> None:
 
     target = Target.load(args.target)
     drafter = Drafter.from_pretrained(args.drafter, target)
+    check_fits(ConfidenceScheduler, drafter)  # method (c)'s need, named before the target is profiled
     block = drafter.config.block_size
     sps = profile_sps(target, max_tokens=max(args.concurrency) * (block + 1))
     print(f"# {args.target} on {platform.machine()}, {torch.get_num_threads()} threads; drafter {args.drafter} "

@@ -84,12 +84,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--drafter", help="a DFlash-format drafter folder for the target")
     parser.add_argument("--make-random", metavar="DIR", help="write a random DFlash drafter for the target and stop")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens each request generates")
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="batch-1 prompts (at most 6)")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"batch-1 prompts (at most {len(PROMPTS)})")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32], help="concurrent requests of the batched runs")
     parser.add_argument("--policies", nargs="+", choices=["full", "gated"], default=["full", "gated"],
                         help="verify policies of our engine for the concurrent runs")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice); 1 on a shared machine")
     args = parser.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"--prompts must be between 1 and {len(PROMPTS)}, got {args.prompts}")
+    if args.max_new_tokens < 1 or min(args.concurrency, default=1) < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--max-new-tokens, --concurrency and --threads must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
 

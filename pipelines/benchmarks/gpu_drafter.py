@@ -51,8 +51,11 @@ def prepare(args: argparse.Namespace, overrides: list[str]) -> None:
     cfg = parse_args(overrides)
     target_path = resolve_target(cfg.target)
     target = Target.load(target_path)
-    lines = embedded_sharegpt(0)
-    lines = lines[args.skip_head: len(lines) - args.skip_tail][: args.conversations or None]
+    every = embedded_sharegpt(0)
+    lines = every[args.skip_head: len(every) - args.skip_tail][: args.conversations or None]
+    if not lines:
+        raise DominoError(f"--skip-head {args.skip_head} and --skip-tail {args.skip_tail} leave none of the "
+                          f"{len(every)} conversations")
     ids, masks = [], []
     for start in range(0, len(lines), 1000):
         rows = tokenize_batch(pa.table({"json_line": lines[start:start + 1000]}), target_path, cfg.max_length)
@@ -157,7 +160,8 @@ def train_on_gpu(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.bench gpu-drafter", description=__doc__,
                                      formatter_class=HelpFormatter)
-    parser.add_argument("mode", choices=["prepare", "train"])
+    parser.add_argument("mode", choices=["prepare", "train"],
+                        help="prepare: tokenise conversations here (CPU); train: train drafters on one GPU")
     parser.add_argument("--out", type=Path, required=True, help="prepare: the data folder; train: where drafters go")
     parser.add_argument("--data", type=Path, help="train: the folder `prepare` wrote")
     parser.add_argument("--skip-head", type=int, default=100, help="prepare: conversations left out at the start")
@@ -168,6 +172,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="train: the target `prepare` tokenised for")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="train: cpu only to try the script")
     args, overrides = parser.parse_known_args(argv)
+    if min(args.skip_head, args.skip_tail, args.conversations) < 0 or args.minutes <= 0 or args.log_every < 1:
+        parser.error("--skip-head, --skip-tail and --conversations must not be negative, --minutes and --log-every positive")
     if args.mode == "prepare":
         prepare(args, overrides)
     elif overrides:  # config keys are `prepare`'s: the data folder holds the config `train` runs

@@ -4,7 +4,7 @@ total tokens/s, and the server's speculative statistics.
 
 Loopback only: it refuses any host other than this machine. Several servers (label=URL) are measured
 in turns, round after round, so that they see the same machine load. It exits with 1 when any request
-failed, so that a script can tell.
+failed, or was never sent because --max-seconds ran out, so that a script can tell.
 
     python -m pipelines.bench load --url plain=http://127.0.0.1:8000/plain \\
         --url oracle=http://127.0.0.1:8000/oracle [--clients 32] [--requests 64] [--max-tokens 32]
@@ -12,6 +12,7 @@ failed, so that a script can tell.
 
 import argparse
 import ipaddress
+import math
 import socket
 import statistics
 import threading
@@ -47,13 +48,24 @@ class Outcome:
 
 
 def check_loopback(url: str) -> None:
-    host = urlparse(url).hostname or ""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise SystemExit(f"error: {url} is not an http(s) URL, such as http://127.0.0.1:8000")
+    host = parsed.hostname
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except socket.gaierror:
         addresses = set()
     if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
         raise SystemExit(f"error: {url} is not on this machine: the load test only targets loopback addresses")
+
+
+def check_answers(url: str) -> None:
+    """Refuse at once a server that does not answer, instead of failing every request of the run."""
+    try:
+        requests.get(f"{url}/v1/models", timeout=30)
+    except requests.RequestException as error:
+        raise SystemExit(f"error: nothing answers at {url} ({type(error).__name__})") from None
 
 
 def server_root(url: str) -> str:
@@ -120,15 +132,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="temperature of each request (0: greedy)")
     parser.add_argument("--rounds", type=int, default=1, help="measure every server this many times, in turns")
     args = parser.parse_args(argv)
-    if min(args.clients, args.requests, args.max_tokens, args.rounds) < 1 or args.max_seconds <= 0:
-        parser.error("--clients, --requests, --max-tokens, --rounds and --max-seconds must be positive")
-    if args.temperature < 0:
-        parser.error("--temperature must not be negative")
+    if min(args.clients, args.requests, args.max_tokens, args.rounds) < 1 or not 0 < args.max_seconds < math.inf:
+        parser.error("--clients, --requests, --max-tokens, --rounds and --max-seconds must be positive (and finite)")
+    if not 0 <= args.temperature < math.inf:
+        parser.error("--temperature must be a finite number, not negative")
 
-    servers = {label: server_root(url) for label, url in
-               (item.split("=", 1) if "=" in item else (item, item) for item in args.url)}
+    labelled = [item.split("=", 1) if "=" in item else (item, item) for item in args.url]
+    servers = {label: server_root(url) for label, url in labelled}
+    if len(servers) < len(labelled):
+        parser.error("two --url options have the same label: give each server its own (label=URL)")
     for url in servers.values():
         check_loopback(url)
+        check_answers(url)
     results = {label: Outcome() for label in servers}
     for _ in range(args.rounds):
         for label, url in servers.items():
@@ -150,8 +165,13 @@ def main(argv: list[str]) -> int:
         print(f"| {label} | {len(r.latencies)} | {len(r.errors)} | {percentile(r.latencies, 50):.1f} | "
               f"{percentile(r.latencies, 99):.1f} | {r.tokens / r.wall_s:.1f} | {r.committed / max(1, r.rounds):.2f} | "
               f"{r.tokens / max(r.compute_s, 1e-9):.1f} |")
+    asked = args.requests * args.rounds
     for label, r in results.items():
         for error in r.errors[:5]:
             print(f"error ({label}): {error}")
-    return 1 if any(r.errors for r in results.values()) else 0  # a load test with failed requests did not pass
+        unsent = asked - len(r.latencies) - len(r.errors)
+        if unsent:
+            print(f"error ({label}): {unsent} of the {asked} requests were not sent before --max-seconds ran out")
+    # a load test with failed requests, or with requests it never sent, did not pass
+    return 1 if any(r.errors or len(r.latencies) < asked for r in results.values()) else 0
 
