@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from domino.errors import DominoError
 
@@ -178,13 +180,24 @@ class DrafterConfig:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise DominoError(f"cannot read drafter config {path}: {error}") from None
+        if not isinstance(data, dict):
+            raise DominoError(f"{path} holds a JSON {type(data).__name__}, not a drafter config")
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise DominoError(f"{path} has unknown keys {sorted(unknown)}: it was not written by this version of domino")
+        return cls.from_dict(data, f"{path} is not a valid drafter config")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str) -> "DrafterConfig":
+        """A config from a file's values, each checked against its field's type first (pydantic, leniently:
+        "8" is 8, 8.5 is refused), then by __post_init__; any problem is one DominoError that begins with
+        `source`."""
         try:
-            return cls(**data)
-        except TypeError as error:
-            raise DominoError(f"{path} is not a complete drafter config: {error}") from None
+            return TypeAdapter(cls).validate_python(data)
+        except ValidationError as error:
+            problems = [(f"{'.'.join(map(str, e['loc']))}: " if e["loc"] else "") + e["msg"].removeprefix("Value error, ")
+                        for e in error.errors()]
+            raise DominoError(f"{source}: {'; '.join(problems)}") from None
 
 
 def default_mask_token_id(target: "Target") -> int:

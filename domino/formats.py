@@ -152,7 +152,12 @@ def read_checkpoint(path: str | Path, target: "Target") -> tuple[DrafterConfig, 
         config = DrafterConfig.load(path / CONFIG_NAME)
         config.check_target(target)
         return config, read_weights(path)
-    config = dflash_config(read_json(path / CONFIG_NAME), path, target)
+    try:
+        config = dflash_config(read_json(path / CONFIG_NAME), path, target)
+    except DominoError:
+        raise
+    except (TypeError, ValueError, AttributeError) as error:  # a value of the wrong type, met while reading it
+        raise DominoError(f"the DFlash config at {path} has a value of the wrong type ({error})") from None
     return config, dflash_weights(read_weights(path), path)
 
 
@@ -217,10 +222,7 @@ def dflash_config(config: dict, path: Path, target: "Target") -> DrafterConfig:
     if domino:
         options.update(rank=int(dflash_value(config, "emb_dim")),
                        gru_hidden=int(dflash_value(config, "gru_hidden_dim")))
-    try:
-        drafter = DrafterConfig(**options)
-    except DominoError as error:
-        raise DominoError(f"the DFlash config at {path} describes no drafter domino can build: {error}") from None
+    drafter = DrafterConfig.from_dict(options, f"the DFlash config at {path} describes no drafter domino can build")
     drafter.check_target(target, f"the DFlash drafter at {path}")
     return replace(drafter, target_name=target.name)  # DFlash configs do not name their target
 

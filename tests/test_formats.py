@@ -294,6 +294,11 @@ def edit_checkpoint(path, config_edit=None, extra_weight=None) -> None:
     (dict(extra_weight="mask_embedding.weight"), dict(), r"a learned mask embedding \(mask_embedding.weight\)"),
     (dict(extra_weight="layers.0.self_attn.q_proj.bias"), dict(), "weights domino has no place for"),
     (dict(config_edit=lambda c: c.pop("num_target_layers")), dict(), "lacks num_target_layers"),
+    (dict(config_edit=lambda c: c["dflash_config"].update(mask_token_id="zero")), dict(),
+     r"has a value of the wrong type \(invalid literal for int\(\) with base 10: 'zero'\)"),
+    (dict(config_edit=lambda c: c.update(dflash_config=[1])), dict(), "has a value of the wrong type"),
+    (dict(config_edit=lambda c: c.update(intermediate_size=8.5)), dict(),
+     "describes no drafter domino can build: intermediate_size: Input should be a valid integer"),
 ])
 def test_bad_dflash_checkpoint_gets_one_line_naming_the_problem(tmp_path, edit, other_target, message):
     dflash_model().save_pretrained(tmp_path)
@@ -333,6 +338,9 @@ def test_export_never_writes_over_a_folder_that_holds_files(target, tmp_path):
     (lambda path: (path / "config.json").write_text("[1, 2]"), r"config.json holds a JSON list, not an object"),
     (lambda path: save_file({k: v for k, v in load_file(path / "model.safetensors").items() if k != "fc.weight"},
                             path / "model.safetensors"), r"do not match its config: Missing key\(s\).*fc.weight"),
+    (lambda path: edit_checkpoint(path, lambda c: c.update(block_size=8.5, target_layer_ids="3")),
+     "is not a valid drafter config: target_layer_ids: Input should be a valid list; block_size: Input should be "
+     "a valid integer, got a number with a fractional part"),
 ])
 def test_a_damaged_checkpoint_gets_one_line_naming_the_damage(target, tmp_path, damage, message):
     tiny_drafter(target).save_pretrained(tmp_path)
