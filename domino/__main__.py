@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             run_generate(args)
         elif args.command == "export":
             from domino.config import DrafterConfig
-            from domino.formats import CONFIG_NAME, export, lost_in_export
+            from domino.export import export, lost_in_export
+            from domino.formats import CONFIG_NAME
 
             print(f"wrote {export(args.drafter, args.format, args.out)} ({args.format})")
             for note in lost_in_export(DrafterConfig.load(Path(args.drafter) / CONFIG_NAME)):

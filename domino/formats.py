@@ -1,6 +1,6 @@
-"""Checkpoint formats of the ecosystem (DESIGN §10): reading DFlash drafters as they are published, and
-writing ours in DFlash's format (z-lab's `DFlashDraftModel`, vLLM `method: dflash`, SGLang
-`--speculative-algorithm DFLASH`) or in SGLang's Domino format (`projector_type: domino`).
+"""Checkpoint formats of the ecosystem (DESIGN §10): our own, and DFlash drafters as they are published
+(z-lab's `DFlashDraftModel`, vLLM `method: dflash`, SGLang `--speculative-algorithm DFLASH`, and SGLang's
+Domino format, `projector_type: domino`), read here; domino/export.py writes ours in the latter two.
 
 A DFlash checkpoint is a Qwen3-style config plus `dflash_config`, and weights named after Qwen3's
 modules. Our backbone is the same network under other names, so conversion is a renaming plus a
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from domino.config import DrafterConfig, select_layer_ids
 from domino.errors import DominoError
@@ -29,10 +29,8 @@ WEIGHTS_NAME = "model.safetensors"
 DRAFTER_DIR = "drafter"  # the subfolder of a training checkpoint that holds its drafter
 SHARD_INDEX_NAME = "model.safetensors.index.json"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
-FORMATS = ("dflash", "sglang-domino")
 DFLASH_REQUIRED = ("hidden_size", "vocab_size", "num_target_layers", "num_hidden_layers", "num_attention_heads",
                    "intermediate_size")
-MAX_POSITIONS = 131072  # written for engines that read it; default rotary embeddings do not depend on it
 
 # Per draft layer: our parameter name -> DFlash's (Qwen3's module names).
 LAYER_NAMES = {
@@ -242,99 +240,3 @@ def dflash_weights(weights: dict[str, torch.Tensor], path: Path) -> dict[str, to
         shown = ", ".join(sorted(unknown)[:3]) + (" ..." if len(unknown) > 3 else "")
         raise DominoError(f"the DFlash drafter at {path} has {what} ({shown}): domino cannot serve it as it is")
     return renamed
-
-
-# -- writing -------------------------------------------------------------------------------------------
-def export(drafter_path: str | Path, fmt: str, out: str | Path) -> Path:
-    """Write the domino drafter at `drafter_path` in `fmt` ('dflash' or 'sglang-domino') to `out`."""
-    drafter_path, out = Path(drafter_path), Path(out)
-    if fmt not in FORMATS:
-        raise DominoError(f"unknown export format '{fmt}': choose one of {', '.join(FORMATS)}")
-    if checkpoint_format(drafter_path) != "domino":
-        raise DominoError(f"{drafter_path} is already a DFlash checkpoint: export converts domino drafters")
-    config = DrafterConfig.load(drafter_path / CONFIG_NAME)
-    refuse_unexpressible(config, fmt)
-    weights = read_weights(drafter_path)
-    biased = sorted(name for name in weights if name.rsplit(".", 1)[-1].startswith("bias"))
-    if biased:
-        raise DominoError(f"{drafter_path} has biases ({', '.join(biased)}), which the {fmt} format has no place for")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never over the checkpoint it reads, or others
-        raise DominoError(f"--out {out} is {'not empty' if out.is_dir() else 'a file'}: export into a new folder")
-    dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_NAME).write_text(json.dumps(exported_config(config, fmt, dtype), indent=2) + "\n")
-        save_file({to_dflash_name(k): v.contiguous() for k, v in weights.items()}, out / WEIGHTS_NAME,
-                  metadata={"format": "pt"})
-    except OSError as error:
-        raise DominoError(f"cannot write {out}: {error.strerror}") from None
-    return out
-
-
-def refuse_unexpressible(config: DrafterConfig, fmt: str) -> None:
-    """Refuse a drafter whose shape `fmt` cannot express, naming every reason at once with the training
-    key that changes it (each is a retrain)."""
-    reasons = []
-    if config.confidence_head:
-        reasons.append(f"the {fmt} format has no confidence head (train with confidence_head false)")
-    if config.draft_vocab_size:
-        reasons.append(f"the {fmt} format scores the target's whole vocabulary, and this drafter scores "
-                       f"{config.draft_vocab_size} tokens of it (train with draft_vocab_size 0)")
-    if fmt == "dflash":
-        if config.label_convention != "dflash":
-            reasons.append("DFlash checkpoints use DFlash's labels, where the anchor's slot proposes nothing (train "
-                           "with label_convention dflash, or export with --format sglang-domino)")
-        if config.head != "none":
-            reasons.append(f"DFlash checkpoints have no sequential head, and this drafter's '{config.head}' head "
-                           f"shapes its drafts (train with head none, or export with --format sglang-domino)")
-    else:
-        if config.head != "sglang-domino":
-            reasons.append(f"SGLang's Domino head is a bias-free GRU primed with the anchor; this drafter's "
-                           f"'{config.head}' head is not it (train with head sglang-domino)")
-        if config.label_convention != "shifted":
-            reasons.append("SGLang's Domino path takes shifted labels only, shift_label true (train with "
-                           "label_convention shifted)")
-    if reasons:
-        raise DominoError(f"cannot export this drafter as {fmt}: " + "; ".join(reasons))
-
-
-def lost_in_export(config: DrafterConfig) -> list[str]:
-    """What an exported drafter keeps no trace of, for the user to know before serving it elsewhere."""
-    if not config.lookup_ngram:
-        return []
-    return [f"context lookup (lookup_ngram {config.lookup_ngram}) is domino's own: an engine serving the export "
-            f"drafts without copies from the text"]
-
-
-def exported_config(config: DrafterConfig, fmt: str, dtype: str) -> dict[str, Any]:
-    """A Qwen3-style config.json that z-lab's DFlashDraftModel, vLLM and SGLang read."""
-    dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
-    if fmt == "sglang-domino":
-        dflash.update(projector_type="domino", shift_label=True, pure_draft_prefix_len=1,
-                      gru_hidden_dim=config.gru_hidden, emb_dim=config.rank)
-    return {
-        "architectures": [DFLASH_ARCHITECTURE],
-        "model_type": "qwen3",
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "intermediate_size": config.intermediate_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "layer_types": ["full_attention"] * config.num_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_position_embeddings": MAX_POSITIONS,
-        "tie_word_embeddings": False,
-        "vocab_size": config.target_vocab_size,
-        "block_size": config.block_size,
-        "num_target_layers": config.target_num_layers,
-        "dflash_config": dflash,
-        "dtype": dtype,
-    }

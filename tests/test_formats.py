@@ -4,6 +4,8 @@ oracle: its DFlashDraftModel loads what we export, we load what it saves, and bo
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from domino.__main__ import main
 from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import ContextCache, Drafter
 from domino.errors import DominoError
-from domino.formats import export
+from domino.export import export
 from domino.objective import DraftingObjective, ObjectiveConfig
 from domino.packed_linear import pack_linear_layers
 from domino.sampling import GREEDY, RowSampling, SamplingParams
@@ -260,13 +262,31 @@ def test_export_refuses_what_the_format_cannot_express(target, tmp_path, fmt, op
     assert "\n" not in str(error.value) and not (tmp_path / "out").exists()
 
 
-def test_export_refuses_biases_the_config_does_not_explain(target, tmp_path):
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w.update({"head.gru.bias_ih_l0": torch.zeros(96)}), "unexpected head.gru.bias_ih_l0"),
+    (lambda w: w.pop("fc.weight"), "missing fc.weight"),
+    (lambda w: w.update({"norm.weight": torch.zeros(3)}), r"norm.weight is \(3,\), not \(64,\)"),
+])
+def test_export_refuses_weights_the_config_does_not_describe(target, tmp_path, change, message):
+    """As loading would: an export that no engine could load is not written."""
     tiny_drafter(target, head="sglang-domino").save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
-    weights["head.gru.bias_ih_l0"] = torch.zeros(96)
+    change(weights)
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(DominoError, match=r"has biases \(head.gru.bias_ih_l0\)"):
+    with pytest.raises(DominoError, match=f"do not match its config: {message}"):
         export(tmp_path, "sglang-domino", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_that_cannot_be_written_whole_leaves_nothing(target, tmp_path):
+    """A disk that fills mid-export (here a file size limit) gets one line, and no half-written folder
+    stands in the way of the next try."""
+    tiny_drafter(target, head="none", label_convention="dflash").save_pretrained(tmp_path / "ours")
+    command = (f"ulimit -f 8; {sys.executable} -m domino export --drafter {tmp_path / 'ours'} --format dflash "
+               f"--out {tmp_path / 'out'}")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith(f"error: cannot write {tmp_path / 'out'}: ")
+    assert result.stderr.count("\n") == 1 and sorted(tmp_path.iterdir()) == [tmp_path / "ours"]
 
 
 def edit_checkpoint(path, config_edit=None, extra_weight=None) -> None:

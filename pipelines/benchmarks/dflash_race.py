@@ -34,7 +34,8 @@ from domino.config import DrafterConfig
 from domino.drafter import Drafter
 from domino.engine import DecodingEngine
 from domino.errors import DominoError
-from domino.formats import checkpoint_format, export
+from domino.export import export
+from domino.formats import checkpoint_format
 from domino.requests import GenerationConfig
 from domino.scheduler import FullVerify, GatedFullVerify, profile_sps
 from domino.target import DEFAULT_TARGET, Target
