@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     generate.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens holding this much probability")
     generate.add_argument("--top-k", type=int, default=0, help="0 turns top-k off")
-    generate.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
+    generate.add_argument("--seed", type=int, default=None,
+                          help="seed for sampling (temperature > 0); with --verify gated or confidence, which decide "
+                               "by the target's measured speed, a seed's tokens can differ from run to run")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--no-chat", action="store_true", help="feed the prompt raw, without the chat template")
     generate.add_argument("--block-size", type=int, default=None,
@@ -61,6 +64,7 @@ def run_generate(args: argparse.Namespace) -> None:
     # imported here so that --help and argument errors are instant
     from domino.decoding import GenerationConfig, SpeculativeDecoder
     from domino.drafter import load_drafter
+    from domino.formats import checkpoint_format
     from domino.sampling import SamplingParams
     from domino.scheduler import make_policy
     from domino.target import Target
@@ -73,6 +77,8 @@ def run_generate(args: argparse.Namespace) -> None:
         raise DominoError("--block-size sets the oracle's draft length; decoding without a drafter drafts nothing")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=args.stop, seed=args.seed,
                               sampling=SamplingParams(args.temperature, args.top_p, args.top_k))
+    if args.drafter not in ("none", "oracle"):  # a wrong path is named before the target loads
+        checkpoint_format(Path(args.drafter).expanduser())
     target = Target.load(args.target)
     drafter = load_drafter(args.drafter, target)
     # one request verifies at most a block and its anchor: profile forwards up to that size
@@ -107,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:  # stdout's reader stopped (`| head`): end quietly, as a program killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
+        sys.exit(141)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Exactness of the decoding loop: at T = 0 the output is the target's own greedy output, token for token."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -224,3 +227,10 @@ def test_command_line_generate_with_confidence_scheduling_prints_the_targets_own
             main(["generate", "--drafter", "none", *ignored, *prompt])
         assert message in capsys.readouterr().err
     assert plain.endswith("\n")  # the text ends its line, so a file it is written to does too
+
+
+def test_command_line_generate_piped_into_head_ends_quietly():
+    """`| head` closes stdout early: no BrokenPipeError traceback."""
+    command = f"{sys.executable} -m domino generate --prompt 'Count to twenty.' --max-new-tokens 64 | head -c 1"
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert len(result.stdout) == 1 and "Error" not in result.stderr, result.stderr
