@@ -14,12 +14,14 @@ import argparse
 import itertools
 import platform
 import statistics
+import sys
 import time
 
 import torch
 
 from domino.config import HEAD_KINDS, DrafterConfig
 from domino.drafter import ContextCache, Drafter
+from domino.errors import DominoError
 from domino.packed_linear import pack_linear_layers, unpack_linear_layers
 from domino.sampling import GREEDY, RowSampling
 from domino.target import DEFAULT_TARGET, Target
@@ -54,6 +56,9 @@ def main(argv: list[str]) -> None:
 
     torch.manual_seed(0)
     target = Target.load(args.target)
+    if args.context + args.block_size + 1 > target.max_length:
+        raise DominoError(f"--context {args.context} and a verify of {args.block_size + 1} tokens pass the target's "
+                          f"{target.max_length}-token context")
     # every drafter shape below is checked first, so that a bad one is not found with a table half printed
     for head, rank, vocab in itertools.product(HEAD_KINDS, args.rank, args.draft_vocab):
         DrafterConfig.for_target(target, num_layers=args.layers, block_size=args.block_size, head=head, rank=rank,
@@ -98,6 +103,7 @@ def main(argv: list[str]) -> None:
     for head in HEAD_KINDS:
         for vocab in args.draft_vocab:
             name = f"draft one block of {args.block_size}: head {head}, " + (f"draft vocabulary {vocab}" if vocab else "whole vocabulary")
+            print(f"  timing: {name}", file=sys.stderr, flush=True)  # the table waits for every timing
             timings[name] = draft_seconds(head, vocab)
     if unpack_linear_layers(target.model):
         timings["target decode step (1 token), dense weights"] = median_seconds(lambda: target_step(one), args.repeats)

@@ -1,6 +1,7 @@
 """The decoding loop's speed on the embedded target: plain autoregressive decoding against the oracle
 drafter (the target's own greedy continuation, so every draft is accepted) through the same loop.
-Methods alternate prompt by prompt, so both see the same machine load.
+Methods alternate prompt by prompt, each prompt starting with the next method, so all see the same
+machine load; each method first decodes a few tokens untimed (allocator, caches, packed weights).
 
     python -m pipelines.bench engine [--block-size N] [--max-new-tokens 128]
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 
 import torch
 
@@ -34,7 +36,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="the oracle's draft length")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens each request generates")
     parser.add_argument("--drafter", action="append", default=[], help="also time this drafter checkpoint")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"prompts to decode (at most {len(PROMPTS)})")
     args = parser.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"--prompts must be between 1 and {len(PROMPTS)}, got {args.prompts}")
 
     target = Target.load(args.target)
     methods = {"autoregressive": SpeculativeDecoder(target, None),
@@ -45,10 +50,14 @@ def main(argv: list[str]) -> None:
               for name in methods}
     outputs: dict[str, list[list[int]]] = {name: [] for name in methods}
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    for prompt in PROMPTS:
+    for decoder in methods.values():  # untimed
+        decoder.generate(target.encode_prompt(PROMPTS[0]), GenerationConfig(max_new_tokens=8))
+    names = list(methods)
+    for i, prompt in enumerate(PROMPTS[:args.prompts]):
         ids = target.encode_prompt(prompt)
-        for name, decoder in methods.items():
-            result = decoder.generate(ids, config)
+        print(f"  prompt {i + 1}/{args.prompts}", file=sys.stderr, flush=True)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            result = methods[name].generate(ids, config)
             s, t = result.stats, totals[name]
             outputs[name].append(result.tokens)
             t["tokens"] += s.new_tokens
@@ -60,7 +69,7 @@ def main(argv: list[str]) -> None:
             t["rounds"] += s.rounds
             t["committed"] += sum(s.accept_lengths)
 
-    print(f"# {target.name} on {platform.machine()}, {torch.get_num_threads()} threads; {len(PROMPTS)} prompts, "
+    print(f"# {target.name} on {platform.machine()}, {torch.get_num_threads()} threads; {args.prompts} prompts, "
           f"max {args.max_new_tokens} new tokens, greedy")
     print("\n| method | tokens/s | speedup | tau | prefill | draft | verify | other | output = baseline |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -1,7 +1,7 @@
 """A long prompt arriving with short requests: how long the short ones wait when the engine prefills the
 long prompt in chunks (its default, `prefill_chunk`) and when it prefills it all at once. Plain
-decoding on the embedded target, one engine per setting, the settings alternating repeat by repeat;
-the long prompt is ShareGPT text, the short ones the first prompts of the engine benchmark.
+decoding on the embedded target, one engine per setting, the settings alternating repeat by repeat
+after an untimed warm-up; the long prompt is ShareGPT text, the short ones the first prompts of the engine benchmark.
 
     python -m pipelines.bench prefill [--long-tokens 7800] [--short 2] [--max-new-tokens 32] [--repeats 2]
 """
@@ -58,7 +58,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--long-tokens", type=int, default=7800, help="tokens of the long prompt")
     parser.add_argument("--short", type=int, default=2, help="short requests queued right after it")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens each request generates")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each setting")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs of each setting (an even number lets each go first equally often)")
     args = parser.parse_args(argv)
     if min(args.long_tokens, args.short, args.max_new_tokens, args.repeats) < 1 or args.short > len(PROMPTS):
         parser.error(f"--long-tokens, --short, --max-new-tokens and --repeats must be positive, --short at most {len(PROMPTS)}")
@@ -68,6 +69,7 @@ def main(argv: list[str]) -> None:
     short = [target.encode_prompt(prompt) for prompt in PROMPTS[:args.short]]
     settings = {f"chunks of {PREFILL_CHUNK}": PREFILL_CHUNK, "all at once": args.long_tokens}
     runs: dict[str, list[dict]] = {name: [] for name in settings}
+    serve_once(target, PREFILL_CHUNK, long_ids[:PREFILL_CHUNK], short, 4)  # untimed: allocator, caches, weights
     for repeat in range(args.repeats):
         for name, chunk in (settings.items() if repeat % 2 == 0 else reversed(settings.items())):
             runs[name].append(serve_once(target, chunk, long_ids, short, args.max_new_tokens))

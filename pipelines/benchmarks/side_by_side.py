@@ -123,7 +123,10 @@ def benchmark(target: Target, methods: list[Method], prompt_sets: list[PromptSet
     with tqdm(total=total, desc="bench", dynamic_ncols=True) as bar:
         for prompt_set in prompt_sets:
             for number, turns in enumerate(prompt_set.conversations):
-                for method in methods:  # alternate methods prompt by prompt: they see the same machine load
+                # alternate methods prompt by prompt, each prompt starting with the next one: they see the
+                # same machine load, and none always runs first
+                first = number % len(methods)
+                for method in methods[first:] + methods[:first]:
                     key = (method.name, prompt_set.name)
                     row = rows.setdefault(key, Row(method.name, prompt_set.name))
                     for output in run_conversation(method, turns, max_new_tokens, seed + 100 * number):
