@@ -69,7 +69,7 @@ def check(args: argparse.Namespace, overrides: list[str]) -> None:
     from pipelines.train import run
 
     if not torch.cuda.is_available():
-        raise DominoError("no CUDA GPU here: this check needs one (the CPU benchmark is pipelines.benchmarks.pipeline)")
+        raise DominoError("no CUDA GPU here: this check needs one (on a CPU: python -m pipelines.bench pipeline)")
     with tempfile.TemporaryDirectory(prefix="domino-gpu-check-") as folder:
         start = time.perf_counter()
         target = random_qwen3(args.shape, Path(folder) / "target")
