@@ -102,12 +102,31 @@ class DecodingEngine:
 
     def __init__(self, target: Target, drafter: Drafter | str | None = None, block_size: int | None = None,
                  policy: VerifyPolicy | None = None, max_rows: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+        self.policy = policy or FullVerify()
+        # drafted tokens per round at most (a DFlash drafter's block less its anchor)
+        self.max_drafts = self.check(target, drafter, block_size, self.policy, max_rows, prefill_chunk)
+        self.max_rows, self.prefill_chunk = max_rows, prefill_chunk
+        self.target, self.drafter = target, drafter
+        self.layer_ids = drafter.config.target_layer_ids if isinstance(drafter, Drafter) else []
+        self.pending: dict[str, RequestState] = {}
+        self.prefills: dict[str, Prefill] = {}  # of the pending requests whose prefill has begun
+        self.ids: list[str] = []  # request id of each batch row
+        self.states: dict[str, RequestState] = {}
+        self.anchors: list[int] = []  # each row's last committed token, not yet fed to the target
+        self.caches: BatchCaches | None = None
+        self.last_step = StepTimes()
+
+    @staticmethod
+    def check(target: Target, drafter: Drafter | str | None, block_size: int | None,
+              policy: VerifyPolicy | type[VerifyPolicy], max_rows: int | None = None,
+              prefill_chunk: int = PREFILL_CHUNK) -> int:
+        """Refuse arguments an engine cannot run with, reading only configs (so Serve's application builder
+        asks before any replica loads weights); the most tokens a round drafts."""
         target.check_batchable()
         if max_rows is not None and max_rows < 1:
             raise DominoError(f"max_rows must be at least 1, got {max_rows}")
         if prefill_chunk < 1:
             raise DominoError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
-        self.max_rows, self.prefill_chunk = max_rows, prefill_chunk
         if isinstance(drafter, Drafter):
             drafter.config.check_target(target)
             if block_size not in (None, drafter.config.block_size):
@@ -119,18 +138,8 @@ class DecodingEngine:
         else:
             max_drafts = DEFAULT_BLOCK_SIZE if block_size is None else block_size
             check_block_size(max_drafts)
-        self.policy = policy or FullVerify()
-        check_fits(self.policy, drafter)
-        self.target, self.drafter = target, drafter
-        self.max_drafts = max_drafts  # drafted tokens per round at most (a DFlash drafter's block less its anchor)
-        self.layer_ids = drafter.config.target_layer_ids if isinstance(drafter, Drafter) else []
-        self.pending: dict[str, RequestState] = {}
-        self.prefills: dict[str, Prefill] = {}  # of the pending requests whose prefill has begun
-        self.ids: list[str] = []  # request id of each batch row
-        self.states: dict[str, RequestState] = {}
-        self.anchors: list[int] = []  # each row's last committed token, not yet fed to the target
-        self.caches: BatchCaches | None = None
-        self.last_step = StepTimes()
+        check_fits(policy, drafter)
+        return max_drafts
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> RequestState:

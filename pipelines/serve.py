@@ -40,7 +40,7 @@ from domino.drafter import load_drafter
 from domino.engine import PREFILL_CHUNK, DecodingEngine
 from domino.errors import DominoError
 from domino.sampling import choice_seed
-from domino.scheduler import POLICIES, POLICY_CLASSES, ThresholdVerify, check_fits, make_policy
+from domino.scheduler import POLICIES, POLICY_CLASSES, ThresholdVerify, make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.api import (ERRORS, SSE_CONTENT, REFUSALS, ApiError, ServedLimits, api, checked,
                                    event_stream, publish_limits, refused)
@@ -89,12 +89,20 @@ class ServeArgs(BaseModel):
 MAX_CHARACTERS_PER_TOKEN = 32
 
 
+def check_engine(target: Target, drafter, args: ServeArgs) -> None:
+    """What DecodingEngine would refuse of these arguments, asked before any weights or speed profile."""
+    DecodingEngine.check(target, drafter, args.block_size, POLICY_CLASSES[args.verify], args.max_rows,
+                         args.prefill_chunk)
+
+
 def load_engine(args: ServeArgs) -> DecodingEngine:
     """Target, drafter and verify policy, loaded once per replica."""
     device = "cuda" if args.num_gpus > 0 else "cpu"
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     target = Target.load(args.target, device=device, dtype=dtype)
     drafter = load_drafter(args.drafter, target)
+    # before the policy profiles the target's speed (checked at build time too; here for other nodes' files)
+    check_engine(target, drafter, args)
     policy = make_policy(args.verify, target, threshold=args.threshold, max_tokens=args.max_batch_tokens)
     return DecodingEngine(target, drafter, block_size=args.block_size,
                           policy=policy, max_rows=args.max_rows, prefill_chunk=args.prefill_chunk)
@@ -313,7 +321,7 @@ def check_application(args: ServeArgs) -> None:
     with warnings.catch_warnings():  # Torch warns that copying weights onto the meta device does nothing
         warnings.simplefilter("ignore", UserWarning)
         drafter = load_drafter(args.drafter, target)
-    check_fits(POLICY_CLASSES[args.verify], drafter)
+    check_engine(target, drafter, args)
 
 
 def application(args: ServeArgs, **engine_options) -> Application:
@@ -344,4 +352,10 @@ def build_app(args: dict[str, str]) -> Application:
         raise BadApplication(str(error)) from None
 
 
-app = build_app({})
+
+def __getattr__(name: str) -> Application:
+    """`serve run pipelines.serve:app`: the embedded target, no drafter. Built when asked for, so that
+    importing this module (every replica does, and `build_app`'s users) builds nothing."""
+    if name == "app":
+        return build_app({})
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -58,6 +58,8 @@ def test_the_builder_refuses_what_the_replicas_could_not_start_with(tmp_path, em
         build_app({"drafter": str(tmp_path / "False"), "verify": "threshold"})
     build_app({"drafter": str(tmp_path / "True"), "verify": "confidence"})
     build_app({"drafter": str(tmp_path / "False"), "verify": "gated"})
+    with pytest.raises(DominoError, match="the drafter drafts blocks of 8 tokens, not 4"):  # as the engine would
+        build_app({"drafter": str(tmp_path / "False"), "block_size": "4"})
     weights = tmp_path / "True" / "model.safetensors"  # the weights are checked too, not only the config
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(DominoError, match="the checkpoint is incomplete or corrupt"):
@@ -71,6 +73,14 @@ def test_the_builder_refuses_what_the_replicas_could_not_start_with(tmp_path, em
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(DominoError, match="target/model.safetensors, the checkpoint is incomplete or corrupt"):
         build_app({"target": str(target)})
+
+
+def test_importing_the_serve_module_builds_no_application():
+    """Replicas import it: `pipelines.serve:app` is built when asked for, not at every import."""
+    import pipelines.serve
+    from ray.serve import Application
+
+    assert "app" not in vars(pipelines.serve) and isinstance(pipelines.serve.app, Application)
 
 
 @pytest.mark.parametrize("argument, message", [
