@@ -186,3 +186,18 @@ def test_requests_waiting_on_a_dead_engine_thread_get_an_error_not_a_hang(decode
         runner.cancel(stream.request_id)  # a client leaving now has nothing to cancel, and no error
 
     asyncio.run(main())
+
+
+def test_stopping_the_runner_fails_the_requests_it_held(decoder):
+    """A request in flight when the runner stops gets an error, not a hang; later ones are refused at once."""
+    async def main():
+        runner = EngineRunner(DecodingEngine(decoder.engine.target, decoder.engine.drafter))
+        stream = await runner.submit([1, 2, 3], config(400))
+        runner.stop()
+        with pytest.raises(RuntimeError, match="the engine was stopped"):
+            await asyncio.wait_for(stream.result(), 10)
+        with pytest.raises(RuntimeError, match="engine thread has stopped"):
+            await runner.submit([1, 2, 3], config(8))
+        runner.cancel(stream.request_id)
+
+    asyncio.run(main())

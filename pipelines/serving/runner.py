@@ -122,6 +122,7 @@ class EngineRunner:
         self._inbox: list[RequestStream | str] = []  # a stream to add, or the id of a request to cancel
         self._streams: dict[str, RequestStream] = {}  # submitted, not yet finished or cancelled
         self._stopping = False
+        self._closed = False  # set, under the lock, once nothing will answer a new request
         self._thread = threading.Thread(target=self._run, name="domino-engine", daemon=True)
         self._thread.start()
 
@@ -149,19 +150,22 @@ class EngineRunner:
         return stream
 
     def cancel(self, request_id: str) -> None:
-        if self.alive:  # a stopped thread has failed every request it held: nothing is left to cancel
-            self._post(request_id)
+        self._post(request_id)
 
     def stop(self) -> None:
+        """End the engine thread; requests still waiting on it get an error."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         self._thread.join()
+        self._abandon(RuntimeError("the engine was stopped"))
 
     def _post(self, command: RequestStream | str) -> None:
-        if not self.alive:  # nothing would ever answer (the replica's health check restarts it)
-            raise RuntimeError("the engine thread has stopped")
-        with self._lock:
+        with self._lock:  # checked under the lock that _abandon closes with: no request slips in after it
+            if self._closed or not self.alive:
+                if isinstance(command, str):  # a cancel: a closed runner failed every request it held
+                    return
+                raise RuntimeError("the engine thread has stopped")  # the replica's health check restarts it
             if isinstance(command, RequestStream):
                 self._streams[command.request_id] = command
             self._inbox.append(command)
@@ -192,6 +196,7 @@ class EngineRunner:
         """End every request still waiting on this thread, with `error`."""
         failure = error if isinstance(error, Exception) else RuntimeError("the engine thread stopped")
         with self._lock:
+            self._closed = True
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream.refuse(failure)  # one still waiting to be accepted
