@@ -117,7 +117,11 @@ class RunOutcome:
 def run(cfg: PipelineConfig) -> RunOutcome:
     """Run the whole job: check, survey the data, train (or resume), export, and measure tau."""
     target_path = resolve_target(cfg.target)  # what can be checked without Ray is, before it starts
-    drafter = drafter_config(cfg, Target.shape_only(cfg.target))
+    target = Target.shape_only(cfg.target)
+    if cfg.max_length > target.max_length:
+        raise DominoError(f"max_length {cfg.max_length} is longer than the target's context ({target.max_length} "
+                          f"tokens)")
+    drafter = drafter_config(cfg, target)
     cfg.deepspeed()
     if cfg.data != EMBEDDED_DATA:
         list_files(cfg.data)

@@ -100,6 +100,7 @@ def test_config_files_must_be_a_mapping_and_bad_yaml_is_placed(tmp_path):
     (["lookup_ngram=2", "lookup_min_ngram=3"], "lookup_min_ngram must be between 1 and lookup_ngram (2), got 3"),
     (["deepspeed_config=/nonexistent.json"], "deepspeed_config: cannot read /nonexistent.json"),
     (["data=/nonexistent/chats.jsonl"], "data path /nonexistent/chats.jsonl does not exist"),
+    (["max_length=100000"], "max_length 100000 is longer than the target's context (8192 tokens)"),
 ])
 def test_the_main_job_refuses_a_bad_config_before_ray_starts(monkeypatch, args, message):
     from pipelines import train
