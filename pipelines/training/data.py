@@ -291,26 +291,10 @@ class Survey:
 def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig, vocab_size: int) -> Survey:
     """Count the rows by fate, hold out the first `eval_prompts` distinct usable prompts (with every
     row that shares them), and count the response tokens of the rest (what a reduced draft vocabulary
-    is chosen from). Only token ids and the small columns come back to the driver."""
+    is chosen from). Only token ids and the small columns come back to the driver, one batch at a time."""
     result = Survey(response_counts=np.zeros(vocab_size, dtype=np.int64))
-    columns = ["error", "prompt", "num_tokens", "input_ids", "loss_mask"]
-    # in the data's order, not the order its tasks finish in, so the held-out prompts are the same every run
-    # (the context is the dataset's own, shared with the training stream: set for this pass only)
-    options = tokenized.context.execution_options
-    options.preserve_order, previous = True, options.preserve_order
-    ray_data_log = logging.getLogger("ray.data")  # its ERROR lines about a failed read would precede ours
-    log_level = ray_data_log.level
-    ray_data_log.setLevel(logging.CRITICAL)
-    try:
-        batches = list(tokenized.select_columns(columns).iter_batches(batch_format="numpy"))
-    except DominoError:
-        raise
-    except Exception as error:  # a file Ray Data cannot read or decode: say which, in one line
-        raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
-    finally:
-        options.preserve_order = previous
-        ray_data_log.setLevel(log_level)
-    for batch in batches:
+
+    def tally(batch: dict[str, np.ndarray]) -> None:
         trained = []
         for error, prompt, tokens, ids, mask in zip(*(batch[c] for c in columns)):
             result.rows += 1
@@ -327,6 +311,25 @@ def survey(tokenized: ray.data.Dataset, cfg: PipelineConfig, vocab_size: int) ->
                 result.tokens += int(tokens)
                 trained.append((ids, mask))
         result.response_counts += count_tokens(trained, vocab_size)
+
+    columns = ["error", "prompt", "num_tokens", "input_ids", "loss_mask"]
+    # in the data's order, not the order its tasks finish in, so the held-out prompts are the same every run
+    # (the context is the dataset's own, shared with the training stream: set for this pass only)
+    options = tokenized.context.execution_options
+    options.preserve_order, previous = True, options.preserve_order
+    ray_data_log = logging.getLogger("ray.data")  # its ERROR lines about a failed read would precede ours
+    log_level = ray_data_log.level
+    ray_data_log.setLevel(logging.CRITICAL)
+    try:  # batch by batch: the whole tokenised dataset need not fit in the driver's memory
+        for batch in tokenized.select_columns(columns).iter_batches(batch_format="numpy"):
+            tally(batch)
+    except DominoError:
+        raise
+    except Exception as error:  # a file Ray Data cannot read or decode: say which, in one line
+        raise DominoError(f"cannot read {cfg.data}: {root_cause(error)}") from None
+    finally:
+        options.preserve_order = previous
+        ray_data_log.setLevel(log_level)
     return result
 
 
