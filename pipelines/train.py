@@ -151,7 +151,10 @@ def run(cfg: PipelineConfig) -> RunOutcome:
         rows, count = training_rows(tokenized, found.held_out, cfg), found.trainable
         if cfg.regenerate:
             start = time.perf_counter()
-            rows = regenerated(rows, cfg, target_path).materialize()  # token ids only, kept in memory
+            try:
+                rows = regenerated(rows, cfg, target_path).materialize()  # token ids only, kept in memory
+            except ray.exceptions.RayError as error:
+                raise DominoError(f"the regeneration failed: {root_cause(error)}") from None
             outcome.epoch_tokens, count = rows.sum("num_tokens"), rows.count()
             print(f"[regenerate] {count} answers by the target ({outcome.epoch_tokens} tokens with their "
                   f"prompts) in {time.perf_counter() - start:.0f} s", flush=True)
@@ -179,7 +182,11 @@ def run(cfg: PipelineConfig) -> RunOutcome:
     print(f"[train] drafter {'exported to' if outcome.metrics is not None else 'of that step:'} {state.drafter_uri}", flush=True)
 
     if found.held_out:
-        rows = evaluate(cfg, target_path, state, found.held_out)
+        try:
+            rows = evaluate(cfg, target_path, state, found.held_out)
+        except ray.exceptions.RayError as error:
+            raise DominoError(f"the evaluation failed: {root_cause(error)} (the drafter is kept: "
+                              f"{state.drafter_uri})") from None
         print(format_table(rows, cfg.eval_max_new_tokens), flush=True)
         outcome.tau = rows
     return outcome

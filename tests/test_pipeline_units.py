@@ -368,3 +368,23 @@ def test_ray_notices_a_user_can_do_nothing_about_are_quiet_and_warnings_are_not(
         for logger in (auth.logger, worker_group.logger):
             logger.removeHandler(handler)
     assert [r.getMessage()[:41] for r in records] == ["Token authentication is disabled for this", "a worker died"]
+
+
+def test_a_domino_error_from_a_ray_task_is_one_line(capsys):
+    """Ray wraps a task's DominoError in a RayTaskError that is also a DominoError, whose text carries the
+    task's traceback: the command line prints the reason alone."""
+    import traceback
+
+    from ray.exceptions import RayTaskError
+
+    from pipelines.training.errors import exit_status
+
+    try:
+        raise DominoError("the held-out prompt is longer than the context")
+    except DominoError as error:
+        wrapped = RayTaskError("evaluate", traceback.format_exc(), error).as_instanceof_cause()
+
+    def command():
+        raise wrapped
+    assert exit_status(command) == 2
+    assert capsys.readouterr().err == "error: the held-out prompt is longer than the context\n"

@@ -34,8 +34,8 @@ def exit_status(command: Callable[[], object]) -> int:
     load test with failed requests, say); any other value is success."""
     try:
         result = command()
-    except DominoError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except DominoError as error:  # one raised in a Ray task arrives wrapped, with the task's traceback
+        print(f"error: {root_cause(error) if getattr(error, 'cause', None) is not None else error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
