@@ -150,12 +150,14 @@ class DecodingEngine:
         self.pending[request_id] = state
         return state
 
-    def cancel(self, request_id: str) -> None:
-        """Drop a request (e.g. its client went away); it does no further work."""
-        self.pending.pop(request_id, None)
+    def cancel(self, request_id: str) -> RequestState | None:
+        """Drop a request (e.g. its client went away); it does no further work. Its state (with the stats of
+        the rounds it took part in), or None for an id the engine does not hold."""
+        state = self.pending.pop(request_id, None) or self.states.get(request_id)
         self.prefills.pop(request_id, None)
         if request_id in self.states:
             self._retire([request_id])
+        return state
 
     @property
     def has_work(self) -> bool:

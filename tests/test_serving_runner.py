@@ -81,31 +81,31 @@ def test_leaving_the_stream_early_cancels_the_generation(decoder):
 
 
 class FailingOnce(DecodingEngine):
-    """Its first step raises, as a forward that runs out of memory would."""
+    """Its first round raises, as a forward that runs out of memory would."""
 
-    def __init__(self, decoder):
-        super().__init__(decoder.engine.target, decoder.engine.drafter)
+    def __init__(self, decoder, **options):
+        super().__init__(decoder.engine.target, decoder.engine.drafter, **options)
         self.failed = False
 
-    def step(self):
+    def _round(self):
         if not self.failed:
             self.failed = True
             raise RuntimeError("out of memory")
-        return super().step()
+        return super()._round()
 
 
 class FailureCount:
     def __init__(self):
-        self.failed = 0
+        self.failed, self.cancelled = 0, []
 
     def on_step(self, events, in_flight, times):
         pass
 
-    def on_cancel(self):
-        pass
+    def on_cancel(self, stats):
+        self.cancelled.append(stats)
 
-    def on_fail(self, requests):
-        self.failed += requests
+    def on_fail(self, stats):
+        self.failed += len(stats)
 
 
 def test_cancelling_ends_a_reader_that_waits_for_the_next_event(decoder):
@@ -143,14 +143,51 @@ def test_a_failed_step_fails_its_requests_not_the_runner(decoder):
     assert observer.failed == 1  # counted under finish_reason "error"
 
 
+def test_a_failed_round_spares_the_requests_still_queued(decoder):
+    """With max_rows=1 the second request waits in the queue while the first one's round fails: it was in
+    no round, and decodes on."""
+    observer = FailureCount()
+
+    async def main():
+        runner = EngineRunner(FailingOnce(decoder, max_rows=1), observer)
+        try:
+            first = await runner.submit([1, 2, 3], config(8))
+            second = await runner.submit([4, 5, 6], config(8))
+            with pytest.raises(RuntimeError, match="out of memory"):
+                await asyncio.wait_for(first.result(), 60)
+            return (await asyncio.wait_for(second.result(), 60)).tokens
+        finally:
+            runner.stop()
+
+    assert asyncio.run(main()) == decoder.generate([4, 5, 6], config(8)).tokens
+    assert observer.failed == 1
+
+
+def test_a_cancelled_request_reports_the_rounds_it_took(decoder):
+    """The replica's speculative-decoding counters count a cancelled request's rounds too."""
+    observer = FailureCount()
+
+    async def main():
+        runner = EngineRunner(DecodingEngine(decoder.engine.target, decoder.engine.drafter), observer)
+        try:
+            stream = await runner.submit([1, 2, 3], config(400))
+            assert await wait_until(lambda: runner.engine.states and runner.engine.states[stream.request_id].stats.rounds)
+            stream.cancel()
+            return await wait_until(lambda: observer.cancelled)
+        finally:
+            runner.stop()
+
+    assert asyncio.run(main()) and observer.cancelled[0].rounds > 0
+
+
 class BrokenObserver:
     def on_step(self, events, in_flight, times):
         raise ValueError("metrics backend down")
 
-    def on_cancel(self):
+    def on_cancel(self, stats):
         raise ValueError("metrics backend down")
 
-    def on_fail(self, requests):
+    def on_fail(self, stats):
         raise ValueError("metrics backend down")
 
 

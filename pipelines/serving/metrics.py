@@ -12,6 +12,7 @@ from __future__ import annotations
 from ray.serve import metrics
 
 from domino.engine import Event, StepTimes
+from domino.requests import GenerationStats
 from domino.config import MAX_BLOCK_SIZE
 
 # One bucket per accepted length up to 16, then coarser up to the largest possible round. The bounds sit
@@ -59,14 +60,14 @@ class ReplicaMetrics:
                 counter.inc(seconds)
         for event in events:
             if event.finished:
-                stats = event.result.stats
                 self.requests.inc(tags={"finish_reason": event.result.finish_reason})
-                for length in stats.accept_lengths:
-                    self.accept_length.observe(length)
-                self.on_speculation(stats)
+                self.on_rounds(event.result.stats)
         self.queue_depth.set(in_flight)
 
-    def on_speculation(self, stats) -> None:
+    def on_rounds(self, stats: GenerationStats) -> None:
+        """A request's rounds, counted when it ends (finished, cancelled or failed)."""
+        for length in stats.accept_lengths:
+            self.accept_length.observe(length)
         spec, tags = stats.speculative_decoding, {"model_name": self.model_name}
         if spec["num_drafts"]:
             self.num_drafts.inc(spec["num_drafts"], tags=tags)
@@ -77,8 +78,13 @@ class ReplicaMetrics:
             if count:
                 self.accepted_per_pos.inc(count, tags={**tags, "position": str(position)})
 
-    def on_cancel(self) -> None:
+    def on_cancel(self, stats: GenerationStats | None) -> None:
         self.requests.inc(tags={"finish_reason": "cancelled"})
+        if stats is not None:
+            self.on_rounds(stats)
 
-    def on_fail(self, requests: int) -> None:
-        self.requests.inc(requests, tags={"finish_reason": "error"})
+    def on_fail(self, stats: list[GenerationStats]) -> None:
+        if stats:
+            self.requests.inc(len(stats), tags={"finish_reason": "error"})
+        for one in stats:
+            self.on_rounds(one)

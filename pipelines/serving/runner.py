@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from domino.engine import Event, StepTimes
-from domino.decoding import GenerationConfig, GenerationResult
+from domino.decoding import GenerationConfig, GenerationResult, GenerationStats
+from domino.requests import RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,11 @@ class Engine(Protocol):
 
     def add(self, request_id: str, prompt_ids: list[int], config: GenerationConfig) -> None: ...
 
-    def cancel(self, request_id: str) -> None: ...
+    def cancel(self, request_id: str) -> RequestState | None: ...
 
     def step(self) -> list[Event]: ...
+
+    pending: dict[str, RequestState]  # queued, not yet in the batch
 
     @property
     def has_work(self) -> bool: ...
@@ -44,10 +47,11 @@ class Observer(Protocol):
 
     def on_step(self, events: list[Event], in_flight: int, times: StepTimes) -> None: ...
 
-    def on_cancel(self) -> None: ...
+    def on_cancel(self, stats: GenerationStats | None) -> None:
+        """A request cancelled (its stats so far; None if the engine no longer held it)."""
 
-    def on_fail(self, requests: int) -> None:
-        """`requests` ended by a failed round (requests failing alone end in on_step's events)."""
+    def on_fail(self, stats: list[GenerationStats]) -> None:
+        """Requests ended by a failed round (requests failing alone end in on_step's events)."""
 
 
 class RequestStream:
@@ -235,16 +239,21 @@ class EngineRunner:
                 logger.exception("the engine observer failed")
 
     def _cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
+        state = self.engine.cancel(request_id)
         if self._forget(request_id) is not None:
-            self._observe("on_cancel")
+            self._observe("on_cancel", state.stats if state is not None else None)
 
     def _fail_all(self, error: Exception) -> None:
+        """A round raised: its requests fail (with the prefills begun in its step); those still queued go on."""
         with self._lock:
-            streams = [stream for stream in self._streams.values() if stream.in_engine]
+            streams = [stream for stream in self._streams.values()
+                       if stream.in_engine and stream.request_id not in self.engine.pending]
+        stats = []
         for stream in streams:
-            self.engine.cancel(stream.request_id)
+            state = self.engine.cancel(stream.request_id)
+            if state is not None:
+                stats.append(state.stats)
             self._forget(stream.request_id)
             stream.push(error)
         if streams:
-            self._observe("on_fail", len(streams))
+            self._observe("on_fail", stats)
