@@ -43,7 +43,7 @@ from domino.sampling import choice_seed
 from domino.scheduler import POLICIES, POLICY_CLASSES, ThresholdVerify, make_policy
 from domino.target import DEFAULT_TARGET, Target
 from pipelines.serving.api import (ERRORS, SSE_CONTENT, REFUSALS, ApiError, ServedLimits, api, checked,
-                                   event_stream, publish_limits, refused)
+                                   event_stream, model_not_served, publish_limits, refused)
 from pipelines.serving.metrics import ReplicaMetrics
 from pipelines.serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                         CompletionResponse, ErrorDetail, ErrorResponse, Formatter, GenerationRequest,
@@ -158,8 +158,7 @@ class EngineReplica:
     async def start(self, request: GenerationRequest, chat: bool) -> tuple[Formatter, list[RequestStream]]:
         """Check and tokenise the request and submit its choices; a bad request raises here."""
         if request.model not in (None, self.model):
-            raise ApiError(404, f"the model '{request.model}' is not served here; this server serves '{self.model}'",
-                           type="not_found_error", param="model", code="model_not_found")
+            raise model_not_served(request.model, self.model)
         prompt_ids = self.prompt_ids(request, chat)
         self.check_room(request, len(prompt_ids), chat)
         config = request.generation_config(len(prompt_ids), self.target.max_length)
@@ -193,7 +192,7 @@ class EngineReplica:
                            param="messages" if chat else "prompt", code="context_length_exceeded")
         asked = request.requested_max_tokens()
         if asked is not None and asked > room:
-            name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+            name = request.max_tokens_field()
             raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves room for {room} new tokens in this "
                                 f"model's context of {context}; {name} asks for {asked}: lower it to {room}",
                            param=name, code="context_length_exceeded")
@@ -281,8 +280,7 @@ class OpenAIServer:
     @api.get("/v1/models/{model:path}", responses=ERRORS)  # a path: hub ids hold a slash
     async def model(self, model: str) -> ModelCard:
         if model != self.limits.model:
-            raise ApiError(404, f"the model '{model}' is not served here; this server serves '{self.limits.model}'",
-                           type="not_found_error", param="model", code="model_not_found")
+            raise model_not_served(model, self.limits.model)
         return self.card()
 
     def card(self) -> ModelCard:

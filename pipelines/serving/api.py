@@ -41,6 +41,12 @@ class ApiError(Exception):
         return ApiError, (self.status, d.message, d.type, d.param, d.code)
 
 
+def model_not_served(asked: str, served: str) -> ApiError:
+    """The 404 for a request or lookup naming a model this server does not serve."""
+    return ApiError(404, f"the model '{asked}' is not served here; this server serves '{served}'",
+                    type="not_found_error", param="model", code="model_not_found")
+
+
 REFUSALS = (ApiError, DominoError)  # a client's bad request (the engine's DominoError included): a 4xx
 
 

@@ -140,14 +140,18 @@ class GenerationRequest(RequestPart):
         """The engine's config. Without max_tokens, the request may fill the rest of the context."""
         max_tokens = self.requested_max_tokens()
         if max_tokens is None:
-            max_tokens = max(1, context - prompt_tokens)  # an over-long prompt is refused by the engine
+            max_tokens = max(1, context - prompt_tokens)  # an over-long prompt was refused before (check_room)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return GenerationConfig(max_new_tokens=max_tokens, stop_strings=stop, seed=self.seed,
                                 sampling=SamplingParams(self.temperature, self.top_p, self.top_k),
                                 logprobs=self.top_logprobs_wanted())
 
+    def max_tokens_field(self) -> str:
+        """The field that bounds the answer, as the client named it."""
+        return "max_tokens"
+
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return getattr(self, self.max_tokens_field())
 
     def top_logprobs_wanted(self) -> int | None:
         """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
@@ -205,8 +209,8 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="most likely alternatives per token (needs logprobs: true)")
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -21,7 +21,7 @@ from domino.config import HEAD_KINDS
 from domino.errors import DominoError
 from domino.formats import read_json
 from domino.objective import ObjectiveConfig
-from domino.training import TrainConfig
+from domino.training import BUDGET_WARMUP, TrainConfig
 from pipelines.training.errors import exit_status
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ class PipelineConfig(BaseModel):
     batch_size: int = Field(2, ge=1, description="sequences per step per worker")
     # steps and lr are the embedded recipe's (measured on 2 CPU cores); the library's TrainConfig keeps generic ones
     steps: int = Field(320, ge=1, description="optimiser steps in total (with `minutes`: at most)")
-    minutes: float | None = Field(None, gt=0, description="wall-time budget of the training steps: the run times them (from step 6, refitting at every progress line) and keeps as many as fit, never more than `steps`; the schedule and curriculum span those, and checkpoints keep the count (null: all `steps`)")
+    minutes: float | None = Field(None, gt=0, description=f"wall-time budget of the training steps: the run times them (from step {BUDGET_WARMUP + 1}, refitting at every progress line) and keeps as many as fit, never more than `steps`; the schedule and curriculum span those, and checkpoints keep the count (null: all `steps`)")
     lr: float = Field(2e-3, gt=0, description="peak learning rate (cosine schedule)")
     warmup_fraction: float = Field(TrainConfig.warmup_fraction, ge=0, lt=1, description="fraction of steps warming up the learning rate")
     weight_decay: float = Field(TrainConfig.weight_decay, ge=0, description="AdamW weight decay")
