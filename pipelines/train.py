@@ -32,6 +32,7 @@ from ray.util.annotations import RayDeprecationWarning  # noqa: E402
 
 from domino.config import DrafterConfig  # noqa: E402
 from domino.errors import DominoError  # noqa: E402
+from domino.embedded import EMBEDDED_TARGETS  # noqa: E402
 from domino.target import Target, resolve_target  # noqa: E402
 from domino.vocabulary import coverage, most_frequent  # noqa: E402
 from pipelines.training import checkpoints  # noqa: E402
@@ -117,6 +118,8 @@ class RunOutcome:
 def run(cfg: PipelineConfig) -> RunOutcome:
     """Run the whole job: check, survey the data, train (or resume), export, and measure tau."""
     target_path = resolve_target(cfg.target)  # what can be checked without Ray is, before it starts
+    if cfg.target in EMBEDDED_TARGETS:  # tasks, actors and trainers load it by name: each node converts its own
+        target_path = cfg.target  # copy, as the folder converted here lies on this node alone
     target = Target.shape_only(cfg.target)
     if cfg.max_length > target.max_length:
         raise DominoError(f"max_length {cfg.max_length} is longer than the target's context ({target.max_length} "

@@ -158,6 +158,17 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tokenizer_path):
     assert short["error"] == [TOO_LONG] and len(short["input_ids"][0]) == 20
 
 
+def test_the_embedded_target_tokenises_by_its_name(embedded_target):
+    """Tasks on other nodes get the embedded target's name (the converted folder lies on the driver's node)."""
+    from domino.target import resolve_target
+
+    rows = pa.Table.from_pylist([{"json_line": json.dumps(conversation(2, "openai"))}])
+    by_name = tokenize_batch(rows, "smollm2-135m", 256)
+    assert by_name["error"] == [""]
+    by_path = tokenize_batch(rows, resolve_target("smollm2-135m"), 256)
+    assert by_name["input_ids"][0].tolist() == by_path["input_ids"][0].tolist()
+
+
 def test_embedded_sharegpt_reads_the_first_conversations():
     rows = embedded_sharegpt(3)
     assert len(rows) == 3 and json.loads(rows[0])["id"] == "QWJhYvA_0"

@@ -235,7 +235,9 @@ def tokenize_conversation(messages: list[dict], tokenizer, max_length: int) -> t
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    from domino.target import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(path))  # a path, a hub id or an embedded target's name
     if not getattr(tokenizer, "chat_template", None):
         raise DominoError(f"the target's tokenizer ({path}) has no chat template: conversations cannot be rendered")
     return tokenizer
