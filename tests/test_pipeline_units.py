@@ -94,6 +94,12 @@ def test_config_files_must_be_a_mapping_and_bad_yaml_is_placed(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(DominoError, match="deepspeed_config: .*list.yaml holds a JSON list, not an object"):
         parse_args([f"deepspeed_config={path}"]).deepspeed()
+    # a value both files could set would be silently the pipeline's: the DeepSpeed file may not set it
+    path.write_text(json.dumps({"gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                                "gradient_accumulation_steps": 4}))
+    with pytest.raises(DominoError, match=r"sets gradient_clipping \(the pipeline's grad_clip\), optimizer.params.lr "
+                                          r"\(the pipeline's lr\), gradient_accumulation_steps"):
+        parse_args([f"deepspeed_config={path}"]).deepspeed()
 
 
 @pytest.mark.parametrize("args, message", [

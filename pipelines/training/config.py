@@ -151,11 +151,26 @@ class PipelineConfig(BaseModel):
             ds = read_json(path)
         except DominoError as error:
             raise DominoError(f"deepspeed_config: {error}") from None
+        owned = {key: ours for key, ours in DEEPSPEED_OWNED.items() if key in ds}
+        owned.update({f"optimizer.params.{key}": key for key in ("lr", "weight_decay")
+                      if key in ((ds.get("optimizer") or {}).get("params") or {})})
+        if ds.get("gradient_accumulation_steps", 1) != 1:
+            owned["gradient_accumulation_steps"] = "steps (each step is one batch per worker; raise batch_size)"
+        if owned:  # set in two places, one would silently win
+            raise DominoError(f"deepspeed_config: {path} sets " + ", ".join(f"{key} (the pipeline's {ours})"
+                                                                          for key, ours in owned.items())
+                              + ": set those pipeline keys instead")
         ds["train_micro_batch_size_per_gpu"] = self.batch_size
         ds["gradient_clipping"] = self.grad_clip
         optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
         optimizer.setdefault("params", {}).update(lr=self.lr, weight_decay=self.weight_decay)
         return ds
+
+
+# DeepSpeed keys the pipeline's own keys decide: a DeepSpeed file that sets them is refused
+DEEPSPEED_OWNED = {"train_micro_batch_size_per_gpu": "batch_size", "train_batch_size": "batch_size x num_workers",
+                   "gradient_clipping": "grad_clip", "scheduler": "cosine schedule (lr, warmup_fraction, steps)",
+                   "fp16": "compute_dtype", "bf16": "compute_dtype"}
 
 
 def _validation_message(error: ValidationError) -> str:
