@@ -43,8 +43,9 @@ def require(path: str) -> Path:
 
 
 def makefile_pins() -> dict[str, str]:
-    """The `name==version` pins the Makefile installs (torch, the embedded target package)."""
-    return dict(re.findall(r"pip install [^\n]*?([\w-]+)==([\w.]+)", (ROOT / "Makefile").read_text()))
+    """The `name==version` pins the Makefile installs (torch, the embedded target, MT-Bench, DFlash)."""
+    lines = re.findall(r"pip install ([^\n]*)", (ROOT / "Makefile").read_text())
+    return dict(pin for line in lines for pin in re.findall(r"([\w-]+)==([\w.]+)", line))
 
 
 # -- cluster/aws.yaml ---------------------------------------------------------------------------------
