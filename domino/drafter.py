@@ -388,11 +388,17 @@ class Drafter(nn.Module):
             return None
         return TokenHistory(self.config.lookup_ngram, tokens, self.config.lookup_min_ngram)
 
-    def copies_every_row(self, histories: list[TokenHistory | None] | None) -> bool:
-        """Whether every row copies from its first draft position on (domino.lookup): such a round runs no
-        backbone, so the engine drafts it whatever the speculation gate says of the drafter."""
-        return (bool(self.config.lookup_ngram) and histories is not None
-                and all(h is not None and h.source([]) is not None for h in histories))
+    def copy_runs(self, histories: list[TokenHistory | None] | None) -> list[CopyRun] | None:
+        """Each row's copies for one round (domino.lookup); None when the drafter does not look up."""
+        if not self.config.lookup_ngram or histories is None or None in histories:
+            return None
+        return [CopyRun(h) for h in histories]
+
+    @staticmethod
+    def copy_from_the_start(runs: list[CopyRun] | None) -> bool:
+        """Whether every row copies from its first draft position on: such a round runs no backbone, so the
+        engine drafts it whatever the speculation gate says of the drafter."""
+        return runs is not None and all(run.proposal() is not None for run in runs)
 
     def extend_context(self, cache: ContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append tokens' features (n, t, n_layers * D) at `positions` (n, t) to the cache."""
@@ -431,9 +437,9 @@ class Drafter(nn.Module):
         shortened = bool(silent) and needed is not None
         if shortened:
             block = min(block, int(needed.max()) + silent)
-        if self.copies_every_row(histories):
-            return self._copied([CopyRun(h) for h in histories], block - silent, sampling)
-        runs = [CopyRun(h) for h in histories] if self.config.lookup_ngram and histories is not None else None
+        runs = self.copy_runs(histories)
+        if self.copy_from_the_start(runs):
+            return self._copied(runs, block - silent, sampling)
         offsets = torch.arange(block, device=anchors.device)
         if positions is None:
             positions = torch.full((n,), cache.length, device=anchors.device)

@@ -309,7 +309,7 @@ class DecodingEngine:
         lengths = torch.zeros_like(caps)
         could_draft = int(caps.max()) > 0 and self.policy.could_pay(caps)
         copies_only = (could_draft and isinstance(self.drafter, Drafter)
-                       and self.drafter.copies_every_row([s.history for s in states]))
+                       and self.drafter.copy_from_the_start(self.drafter.copy_runs([s.history for s in states])))
         tried = copies_only or (could_draft and self.policy.wants_draft(len(states)))
         if tried:
             draft = self._propose(states, anchors, positions, sampling, caps)
