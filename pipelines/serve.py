@@ -350,7 +350,6 @@ def build_app(args: dict[str, str]) -> Application:
         raise BadApplication(str(error)) from None
 
 
-
 def __getattr__(name: str) -> Application:
     """`serve run pipelines.serve:app`: the embedded target, no drafter. Built when asked for, so that
     importing this module (every replica does, and `build_app`'s users) builds nothing."""

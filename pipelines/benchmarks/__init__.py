@@ -7,6 +7,13 @@ import argparse
 TARGET_HELP = "the target model: a model folder, a hub id, or the embedded default"
 
 
+def rotated(items: list, start: int) -> list:
+    """`items` from index start % len(items) on, then the rest: prompt i's order of methods, so that methods
+    alternating prompt by prompt each go first in turn."""
+    first = start % len(items)
+    return items[first:] + items[:first]
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Every benchmark's --help: its module docstring as written, and each option's default (none for a
     required option, or where the help text says what the default means)."""

@@ -18,7 +18,7 @@ from domino.config import DEFAULT_BLOCK_SIZE
 from domino.decoding import GenerationConfig, SpeculativeDecoder
 from domino.drafter import Drafter
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks import TARGET_HELP, HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter, rotated
 
 PROMPTS = [
     "Write a short poem about the ocean.",
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
     for i, prompt in enumerate(PROMPTS[:args.prompts]):
         ids = target.encode_prompt(prompt)
         print(f"  prompt {i + 1}/{args.prompts}", file=sys.stderr, flush=True)
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in rotated(names, i):
             result = methods[name].generate(ids, config)
             s, t = result.stats, totals[name]
             outputs[name].append(result.tokens)

@@ -29,7 +29,7 @@ from domino.errors import DominoError
 from domino.sampling import SamplingParams
 from domino.scheduler import POLICIES
 from domino.target import DEFAULT_TARGET, Target
-from pipelines.benchmarks import TARGET_HELP, HelpFormatter
+from pipelines.benchmarks import TARGET_HELP, HelpFormatter, rotated
 from pipelines.benchmarks.methods import BUILTIN, Method, check_unique_names, make_methods
 from pipelines.benchmarks.prompts import EMBEDDED, PromptSet, load_prompt_set
 from pipelines.benchmarks.report import BASELINE, Row, compare_with_baseline, markdown, output_folder, write
@@ -125,8 +125,7 @@ def benchmark(target: Target, methods: list[Method], prompt_sets: list[PromptSet
             for number, turns in enumerate(prompt_set.conversations):
                 # alternate methods prompt by prompt, each prompt starting with the next one: they see the
                 # same machine load, and none always runs first
-                first = number % len(methods)
-                for method in methods[first:] + methods[:first]:
+                for method in rotated(methods, number):
                     key = (method.name, prompt_set.name)
                     row = rows.setdefault(key, Row(method.name, prompt_set.name))
                     for output in run_conversation(method, turns, max_new_tokens, seed + 100 * number):
